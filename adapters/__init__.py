@@ -1,0 +1,1 @@
+"""Adapters: one module per drift (or small family of drifts on one surface)."""

@@ -1,0 +1,102 @@
+"""The Adapter contract: one drift, one patch, applied on import of one target module."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, ClassVar
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from vllm_compat.patching import Patch, Wrapper, set_attr, wrap
+
+__all__ = ["Adapter", "load_adapters", "registered_adapters"]
+
+logger = logging.getLogger("vllm_compat")
+_REGISTRY: dict[str, type[Adapter]] = {}
+
+
+class Adapter:
+    """Base class. A subclass declares what it fixes; ``apply`` patches, ``revert`` undoes.
+
+    Class attributes (the adapter's metadata; the docs catalogue is generated from them):
+      id:          stable name, used in reports and ``status()``.
+      covers:      probe id -> drift variants of that probe this adapter makes harmless.
+      speculators: the speculators versions it serves (a PEP 440 specifier set).
+      target:      the module whose import triggers ``apply`` (a vLLM or speculators module).
+      side:        "parent" (the generator's process) or "worker" (every vLLM worker process).
+      first_vllm:  the first vLLM release that needs it.
+      remove_when: when the adapter can be deleted.
+    The class docstring says what broke, why it is fixed at this place, and upstream references.
+    """
+
+    id: ClassVar[str]
+    covers: ClassVar[Mapping[str, frozenset[str]]]
+    speculators: ClassVar[str] = ">=0.3,<0.5"
+    target: ClassVar[str]
+    side: ClassVar[str] = "parent"
+    first_vllm: ClassVar[str] = ""
+    remove_when: ClassVar[str] = "speculators no longer uses the in-process generator (>= 0.5)"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "id" not in cls.__dict__:
+            return  # an abstract intermediate class
+        if cls.id in _REGISTRY and _REGISTRY[cls.id].__qualname__ != cls.__qualname__:
+            raise ValueError(f"duplicate adapter id {cls.id!r}")
+        cls.covers = {k: frozenset(v) for k, v in cls.covers.items()}
+        _REGISTRY[cls.id] = cls
+
+    def __init__(self) -> None:
+        self._patches: list[Patch] = []
+        self.reason: str = ""
+
+    # -- metadata helpers ------------------------------------------------------------------
+    @classmethod
+    def serves(cls, speculators_version: str | Version) -> bool:
+        return Version(str(speculators_version)) in SpecifierSet(cls.speculators)
+
+    @classmethod
+    def covers_variant(cls, probe_id: str, variant: str) -> bool:
+        return variant in cls.covers.get(probe_id, frozenset())
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._patches)
+
+    # -- patching --------------------------------------------------------------------------
+    def apply(self, module: ModuleType) -> None:
+        """Patch ``module`` (the imported target). Must be idempotent through ``applied``."""
+        raise NotImplementedError
+
+    def revert(self) -> None:
+        for patch in reversed(self._patches):
+            patch.revert()
+        self._patches.clear()
+
+    def wrap(self, owner: Any, path: str, wrapper: Wrapper) -> None:
+        self._patches.append(wrap(owner, path, wrapper, f"{self.id}: {_name(owner)}.{path}"))
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        self._patches.append(set_attr(owner, name, value, f"{self.id}: {_name(owner)}.{name}"))
+
+
+def _name(owner: Any) -> str:
+    return getattr(owner, "__name__", type(owner).__name__)
+
+
+def load_adapters() -> dict[str, type[Adapter]]:
+    """Import every module of ``vllm_compat.adapters`` (cheap: none imports vLLM or torch)."""
+    package = importlib.import_module("vllm_compat.adapters")
+    for info in pkgutil.iter_modules(package.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+    return _REGISTRY
+
+
+def registered_adapters() -> dict[str, type[Adapter]]:
+    return _REGISTRY

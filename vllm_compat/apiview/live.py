@@ -1,0 +1,206 @@
+"""LiveView: answer ApiView questions about the installed vLLM through import and ``inspect``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from vllm_compat.apiview import Location, Param, Source, split_dotted
+from vllm_compat.versions import installed_version
+
+__all__ = ["LiveView"]
+
+logger = logging.getLogger("vllm_compat")
+
+_MISSING = object()
+_KINDS = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional_only",
+    inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional_or_keyword",
+    inspect.Parameter.VAR_POSITIONAL: "var_positional",
+    inspect.Parameter.KEYWORD_ONLY: "keyword_only",
+    inspect.Parameter.VAR_KEYWORD: "var_keyword",
+}
+
+
+class LiveView:
+    """An ApiView over the vLLM importable in this process."""
+
+    kind = "live"
+
+    def __init__(self, package: str = "vllm") -> None:
+        self.package = package
+        self._import_errors: dict[str, str] = {}
+
+    def version(self) -> str | None:
+        found = installed_version(self.package)
+        return str(found) if found is not None else None
+
+    def has_module(self, module: str) -> bool:
+        return self._import(module) is not None
+
+    def import_error(self, module: str) -> str | None:
+        """Why ``module`` could not be imported, if it could not."""
+        return self._import_errors.get(module)
+
+    def locate(self, dotted: str) -> Location | None:
+        obj, module, qual = self._lookup(dotted)
+        if obj is _MISSING:
+            return None
+        if inspect.ismodule(obj):
+            return Location(obj.__name__, "", "module", _relative_file(obj), 1)
+        target = inspect.unwrap(obj) if callable(obj) else obj
+        defining = getattr(target, "__module__", None) or module
+        qualname = getattr(target, "__qualname__", None) or qual
+        if inspect.isclass(target):
+            kind = "class"
+        elif inspect.isroutine(target):
+            kind = "function"
+        else:
+            kind, defining, qualname = "attribute", module, qual
+        file, line = (
+            _file_line(target) if kind != "attribute" else (_relative_file(sys.modules.get(module)), None)
+        )
+        if kind == "attribute" and file is not None:
+            line = _attribute_line(sys.modules.get(module), qual)
+        return Location(defining, qualname, kind, file, line)
+
+    def parameters(self, dotted: str) -> tuple[Param, ...] | None:
+        obj, _, _ = self._lookup(dotted)
+        if obj is _MISSING or not callable(obj):
+            return None
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):
+            return None
+        params = list(signature.parameters.values())
+        if params and params[0].name == "self" and not inspect.isclass(obj):
+            params = params[1:]  # accessed through the class: an unbound function
+        return tuple(_param(p) for p in params)
+
+    def source(self, dotted: str) -> Source | None:
+        obj, _, _ = self._lookup(dotted)
+        if obj is _MISSING:
+            return None
+        target = inspect.unwrap(obj) if callable(obj) else obj
+        try:
+            lines, start = inspect.getsourcelines(target)
+        except (OSError, TypeError):
+            return None
+        file, _ = _file_line(target)
+        return Source(text=textwrap.dedent("".join(lines)).rstrip("\n"), file=file, line=start)
+
+    def members(self, dotted: str) -> frozenset[str] | None:
+        obj, _, _ = self._lookup(dotted)
+        if obj is _MISSING or not inspect.isclass(obj):
+            return None
+        names: set[str] = set()
+        for cls in obj.__mro__:
+            if cls is object:
+                continue
+            names.update(vars(cls))
+            names.update(getattr(cls, "__annotations__", {}))
+        return frozenset(n for n in names if not (n.startswith("__") and n.endswith("__")) or n == "__init__")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _import(self, module: str) -> Any:
+        if module in sys.modules:
+            return sys.modules[module]
+        if module in self._import_errors:
+            return None
+        try:
+            if importlib.util.find_spec(module) is None:
+                return None
+        except Exception as exc:  # finding a submodule imports its parents, which may fail
+            self._import_errors.setdefault(module, f"{type(exc).__name__}: {exc}")
+            return None
+        try:
+            return importlib.import_module(module)
+        except Exception as exc:  # a module that exists but fails to import is reported, not raised
+            self._import_errors[module] = f"{type(exc).__name__}: {exc}"
+            logger.debug("could not import %s: %s", module, exc)
+            return None
+
+    def _lookup(self, dotted: str) -> tuple[Any, str, str]:
+        split = split_dotted(dotted, lambda m: self._import(m) is not None)
+        if split is None:
+            return _MISSING, "", ""
+        module, rest = split
+        obj: Any = sys.modules[module]
+        for attr in rest:
+            try:
+                obj = inspect.getattr_static(obj, attr) if inspect.isclass(obj) else getattr(obj, attr)
+            except AttributeError:
+                return _MISSING, module, ".".join(rest)
+            if isinstance(obj, staticmethod | classmethod):
+                obj = obj.__func__
+        return obj, module, ".".join(rest)
+
+
+def _param(p: inspect.Parameter) -> Param:
+    has_default = p.default is not inspect.Parameter.empty
+    variadic = p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    annotation = None
+    if p.annotation is not inspect.Parameter.empty:
+        annotation = p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation)
+    return Param(
+        p.name,
+        _KINDS[p.kind],
+        not has_default and not variadic,
+        repr(p.default) if has_default else None,
+        annotation,
+    )
+
+
+def _relative_file(obj: Any) -> str | None:
+    if obj is None:
+        return None
+    try:
+        path = inspect.getsourcefile(obj) or inspect.getfile(obj)
+    except TypeError:
+        return None
+    return _package_relative(path, getattr(obj, "__name__", "") if inspect.ismodule(obj) else obj.__module__)
+
+
+def _package_relative(path: str, module: str) -> str:
+    """``.../site-packages/vllm/config/x.py`` -> ``vllm/config/x.py``."""
+    top = module.split(".")[0]
+    parts = Path(path).parts
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] == top:
+            return "/".join(parts[i:])
+    return path
+
+
+def _file_line(obj: Any) -> tuple[str | None, int | None]:
+    try:
+        path = inspect.getsourcefile(obj)
+        _, line = inspect.getsourcelines(obj)
+    except (OSError, TypeError):
+        return None, None
+    if path is None:
+        return None, None
+    return _package_relative(path, getattr(obj, "__module__", "") or ""), line
+
+
+def _attribute_line(module: Any, name: str) -> int | None:
+    """Line of a module-level assignment, found by reading the module's source."""
+    import ast
+
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return node.lineno
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            return node.lineno
+    return None

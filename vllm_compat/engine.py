@@ -1,0 +1,187 @@
+"""The patch engine: post-import hooks, the adapter lifecycle and the fail-closed policy.
+
+``install()`` only registers wrapt post-import hooks (and sets an environment variable that vLLM's
+worker processes inherit). Work happens when a target module is imported: the probes an adapter
+answers to are run against the live vLLM, and the adapter is applied only if they find the drift
+it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
+:class:`UnhandledDrift` before a model loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+import wrapt
+
+from vllm_compat.adapter import Adapter, load_adapters
+from vllm_compat.errors import AdapterError, UnhandledDrift
+from vllm_compat.findings import Observation, State
+from vllm_compat.patching import Patch, wrap
+from vllm_compat.plan import Plan, load_probes, make_plan
+from vllm_compat.versions import installed_version, speculators_line
+
+__all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
+
+logger = logging.getLogger("vllm_compat")
+
+ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set by install(); inherited by vLLM workers, read by the plugin
+ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # "1": `import vllm_compat` installs nothing
+ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": install() raises at once on unhandled drift
+GUARD_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
+GUARD_PATH = "VllmHiddenStatesGenerator.__init__"
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.installed = False
+        self.strict = False
+        self.hooked: set[str] = set()
+        self.applied: dict[str, Adapter] = {}
+        self.observations: dict[str, Observation] = {}
+        self.guard: Patch | None = None
+        self._view: Any = None
+
+    # -- public API --------------------------------------------------------------------------
+    def install(self, strict: bool = False) -> None:
+        with self.lock:
+            adapters = load_adapters()
+            os.environ[ENV_ACTIVE] = "1"
+            already = self.installed
+            self.installed = True
+            self.strict = strict or _truthy(os.environ.get(ENV_STRICT))
+            if not already:
+                logger.debug("vllm-compat installed (strict=%s)", self.strict)
+            for target in sorted({a.target for a in adapters.values()} | {GUARD_MODULE}):
+                if target not in self.hooked:
+                    self.hooked.add(target)
+                    wrapt.register_post_import_hook(self._on_import, target)  # fires now if imported
+                elif target in sys.modules:
+                    self._on_import(sys.modules[target])
+            if self.strict:
+                plan = self.live_plan()
+                if not plan.ok:
+                    raise UnhandledDrift(plan.unhandled, where="install(strict=True)")
+
+    def uninstall(self) -> None:
+        with self.lock:
+            for adapter_id in reversed(list(self.applied)):
+                self.applied.pop(adapter_id).revert()
+                logger.info("vllm-compat reverted adapter %s", adapter_id)
+            if self.guard is not None:
+                self.guard.revert()
+                self.guard = None
+            self.installed = False
+            self.observations.clear()
+            self._view = None
+            os.environ.pop(ENV_ACTIVE, None)
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            spec = installed_version("speculators")
+            vllm = installed_version("vllm")
+            return {
+                "installed": self.installed,
+                "strict": self.strict,
+                "vllm_version": str(vllm) if vllm else None,
+                "speculators_version": str(spec) if spec else None,
+                "applied": {k: a.reason for k, a in self.applied.items()},
+                "hooks": sorted(self.hooked),
+                "guarded": self.guard is not None,
+            }
+
+    def live_plan(self, probe_ids: Iterable[str] | None = None) -> Plan:
+        """The plan for the installed vLLM and speculators (both lines if none is installed)."""
+        line = speculators_line(installed_version("speculators"))
+        lines = (line,) if line else ("0.3.0", "0.4.0.1")
+        return make_plan(self.view(), lines, probe_ids, cache=self.observations)
+
+    def view(self) -> Any:
+        if self._view is None:
+            from vllm_compat.apiview.live import LiveView
+
+            self._view = LiveView()
+        return self._view
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _on_import(self, module: ModuleType) -> None:
+        with self.lock:
+            if not self.installed:
+                return
+            line = speculators_line(installed_version("speculators"))
+            if module.__name__ == GUARD_MODULE:
+                self._install_guard(module)
+            if line is None:
+                return  # nothing to adapt: speculators absent or a release we do not serve
+            for cls in load_adapters().values():
+                if cls.target == module.__name__ and cls.id not in self.applied:
+                    self._maybe_apply(cls, module, line)
+
+    def _maybe_apply(self, cls: type[Adapter], module: ModuleType, line: str) -> None:
+        if not cls.serves(line):
+            return
+        reasons = []
+        for probe_id in cls.covers:
+            finding = self._finding(probe_id, line)
+            if finding is not None and finding.state is State.DRIFTED and finding.adapter == cls.id:
+                reasons.append(f"{probe_id}: {finding.observed}")
+        if not reasons:
+            return
+        adapter = cls()
+        adapter.reason = "; ".join(reasons)
+        try:
+            adapter.apply(module)
+        except Exception as exc:
+            adapter.revert()
+            raise AdapterError(
+                f"vllm-compat adapter {cls.id} could not patch {module.__name__}: {exc}. "
+                "Run `vllm-compat probe` and report the output."
+            ) from exc
+        self.applied[cls.id] = adapter
+        logger.info("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)
+
+    def _finding(self, probe_id: str, line: str):
+        probe = load_probes().get(probe_id)
+        if probe is None or not probe.applies_to(line):
+            return None
+        plan = make_plan(self.view(), (line,), [probe_id], cache=self.observations)
+        return plan.findings[0] if plan.findings else None
+
+    def _install_guard(self, module: ModuleType) -> None:
+        if self.guard is not None and self.guard.is_current():
+            return
+        owner = getattr(module, GUARD_PATH.split(".")[0], None)
+        if owner is None:
+            return
+
+        def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            self.check(where=f"{GUARD_PATH} (before the model loads)")
+            return wrapped(*args, **kwargs)
+
+        self.guard = wrap(module, GUARD_PATH, guarded_init, "drift guard")
+
+    def check(self, where: str) -> None:
+        """Raise UnhandledDrift if the installed vLLM has drift no adapter covers."""
+        if not self.installed:
+            return
+        line = speculators_line(installed_version("speculators"))
+        if line is None:
+            return
+        plan = make_plan(self.view(), (line,), None, cache=self.observations)
+        if not plan.ok:
+            for f in plan.unhandled:
+                logger.error("vllm-compat: unhandled drift %s: %s", f.probe, f.observed)
+            raise UnhandledDrift(plan.unhandled, where=where)
+
+
+engine = _Engine()

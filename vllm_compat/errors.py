@@ -1,0 +1,48 @@
+"""Typed errors: each says what happened and what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_compat.findings import Finding
+
+__all__ = ["AdapterError", "SourceError", "UnhandledDrift", "VllmCompatError"]
+
+
+class VllmCompatError(RuntimeError):
+    """Base class of every error vllm-compat raises."""
+
+
+class SourceError(VllmCompatError):
+    """A vLLM to probe could not be found or read (a bad path, wheel or release name)."""
+
+
+class AdapterError(VllmCompatError):
+    """An adapter met a shape it does not know while it ran: fail closed rather than guess."""
+
+
+class UnhandledDrift(VllmCompatError):
+    """vLLM drifted in a way no adapter covers; running on would risk wrong hidden states."""
+
+    def __init__(self, findings: Iterable[Finding], where: str | None = None) -> None:
+        self.findings = tuple(findings)
+        self.where = where
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        head = "vLLM API drift that vllm-compat does not cover"
+        if self.where:
+            head += f" (stopped before {self.where})"
+        lines = [head + ":"]
+        for f in self.findings:
+            lines.append(
+                f"  - probe {f.probe} [{f.state}] {f.symbol}: expected {f.expected}; found {f.observed}"
+                + (f" ({f.evidence})" if f.evidence else "")
+            )
+        lines.append(
+            "What to do: run `vllm-compat probe` for the full report; pin a vLLM release that "
+            "`vllm-compat probe --strict` accepts, or upgrade vllm-compat. Nothing was loaded."
+        )
+        return "\n".join(lines)

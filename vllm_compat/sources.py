@@ -1,0 +1,93 @@
+"""Where a probe run reads vLLM from: the installed package, a folder, a wheel, or a release."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_compat.errors import SourceError
+
+__all__ = ["cache_dir", "fetch_release", "open_view"]
+
+logger = logging.getLogger("vllm_compat")
+_RELEASE = re.compile(r"^vllm(?:-cpu)?==(?P<version>[0-9][0-9A-Za-z.+-]*)$")
+
+
+def cache_dir() -> Path:
+    """Where fetched wheels are kept: ``$VLLM_COMPAT_CACHE`` or the user cache folder."""
+    if os.environ.get("VLLM_COMPAT_CACHE"):
+        return Path(os.environ["VLLM_COMPAT_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "vllm-compat" / "wheels"
+
+
+def fetch_release(version: str, dest: Path | None = None) -> Path:
+    """The wheel of ``vllm==version``, downloaded once (no dependencies) into the cache."""
+    dest = dest or cache_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    cached = _find_wheel(dest, version)
+    if cached:
+        return cached
+    platforms: list[str] = []
+    for tag in ("manylinux1", "manylinux2014", *(f"manylinux_2_{n}" for n in (17, 28, 31, 34, 35))):
+        platforms += ["--platform", f"{tag}_x86_64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *platforms,
+        "--dest",
+        str(dest),
+        f"vllm=={version}",
+    ]
+    logger.info("fetching vllm==%s into %s", version, dest)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheel = _find_wheel(dest, version)
+    if done.returncode != 0 or wheel is None:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SourceError(
+            f"could not fetch vllm=={version} from the package index ({tail[0]}). "
+            "Pass a wheel or a source folder with --source instead."
+        )
+    return wheel
+
+
+def _find_wheel(folder: Path, version: str) -> Path | None:
+    found = sorted(folder.glob(f"vllm-{version}-*.whl")) + sorted(folder.glob(f"vllm-{version}-*-*.whl"))
+    return found[0] if found else None
+
+
+def open_view(source: str | None):
+    """An ApiView for ``source``: None (installed vLLM), a folder, a wheel, or ``vllm==X``."""
+    if source is None:
+        from vllm_compat.apiview.live import LiveView
+        from vllm_compat.versions import installed_version
+
+        if installed_version("vllm") is None:
+            raise SourceError(
+                "no vLLM is installed here. Probe a release without installing it: "
+                "`vllm-compat probe --source vllm==0.33.0` (or a wheel file or source folder)."
+            )
+        return LiveView()
+    from vllm_compat.apiview.static import StaticSourceError, StaticView
+
+    match = _RELEASE.match(source.strip())
+    path = fetch_release(match["version"]) if match else Path(source)
+    if not path.exists():
+        raise SourceError(f"{source}: no such file or folder, and not of the form vllm==X")
+    try:
+        return StaticView(path)
+    except StaticSourceError as exc:
+        raise SourceError(str(exc)) from exc
