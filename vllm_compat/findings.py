@@ -33,6 +33,10 @@ class Observation:
     variant: str
     observed: str
     evidence: tuple[str, ...] = ()
+    per_line: Mapping[str, str] = field(default_factory=dict)  # a variant that differs by line
+
+    def variant_for(self, line: str) -> str:
+        return self.per_line.get(line, self.variant)
 
     @classmethod
     def unknown(cls, why: str, *evidence: str) -> Observation:
@@ -60,10 +64,11 @@ class Probe:
         return line in self.expected
 
     def state_for(self, line: str, obs: Observation) -> State:
-        if obs.variant == UNKNOWN:
+        variant = obs.variant_for(line)
+        if variant == UNKNOWN:
             return State.UNKNOWN
         accepted = self.accepts.get(line, frozenset({BASELINE}))
-        return State.BASELINE if obs.variant in accepted else State.DRIFTED
+        return State.BASELINE if variant in accepted else State.DRIFTED
 
     def run(self, view: ApiView) -> Observation:
         """Observe, turning a probe's own failure into an ``unknown`` observation (never a crash)."""

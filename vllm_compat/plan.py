@@ -85,7 +85,7 @@ def judge(probe: Probe, obs: Observation, line: str, adapters: Iterable[type[Ada
     adapter_id = None
     if state is State.DRIFTED:
         for adapter in adapters:
-            if adapter.serves(line) and adapter.covers_variant(probe.id, obs.variant):
+            if adapter.serves(line) and adapter.covers_variant(probe.id, obs.variant_for(line)):
                 adapter_id = adapter.id
                 break
     return Finding(
@@ -95,7 +95,7 @@ def judge(probe: Probe, obs: Observation, line: str, adapters: Iterable[type[Ada
         state=state,
         expected=probe.expected[line],
         observed=obs.observed,
-        variant=obs.variant,
+        variant=obs.variant_for(line),
         evidence="; ".join(obs.evidence),
         adapter=adapter_id,
         handled=state is State.BASELINE or adapter_id is not None,

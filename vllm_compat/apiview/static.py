@@ -220,6 +220,14 @@ class StaticView:
             return None
         binding = _last_binding(tree, name)
         if binding is None:
+            for star in _star_imports(tree):
+                source = _absolute(module, "." * star.level + (star.module or ""), self._is_package(module))
+                source_tree = self._parse(source)
+                if source_tree is None or not _star_exports(source_tree, name):
+                    continue
+                found = self._resolve_in_module(source, name, hops + 1)
+                if found is not None:
+                    return found
             lazy = _lazy_export(tree, name)
             if lazy is not None:
                 target_module, target_name = _absolute(module, lazy[0], self._is_package(module)), lazy[1]
@@ -296,8 +304,9 @@ class StaticView:
             init = _class_body_binding(owner.node, "__init__")
             if isinstance(init, ast.FunctionDef | ast.AsyncFunctionDef):
                 return _function_params(init)[1:]
-            if _is_dataclass(owner.node):
-                return self._dataclass_params([c for c in mro if _is_dataclass(c.node)])  # type: ignore[arg-type]
+            if _is_dataclass(owner.node) or _is_struct(owner.node):
+                chain = [c for c in mro if _is_dataclass(c.node) or _is_struct(c.node)]
+                return self._dataclass_params(chain)
         return ()
 
     def _dataclass_params(self, chain: list[_Def]) -> tuple[Param, ...]:
@@ -404,6 +413,22 @@ def _last_binding(tree: ast.Module, name: str) -> ast.stmt | None:
     return found
 
 
+def _star_imports(tree: ast.Module) -> list[ast.ImportFrom]:
+    return [
+        stmt
+        for stmt in _top_level_statements(tree.body)
+        if isinstance(stmt, ast.ImportFrom) and any(a.name == "*" for a in stmt.names)
+    ]
+
+
+def _star_exports(tree: ast.Module, name: str) -> bool:
+    """Whether ``from module import *`` brings ``name``: listed in ``__all__``, or public if none."""
+    binding = _last_binding(tree, "__all__")
+    if isinstance(binding, ast.Assign | ast.AnnAssign) and isinstance(binding.value, ast.List | ast.Tuple):
+        return any(isinstance(e, ast.Constant) and e.value == name for e in binding.value.elts)
+    return not name.startswith("_")
+
+
 def _lazy_export(tree: ast.Module, name: str) -> tuple[str, str] | None:
     """A lazy export table entry for ``name`` in a module that defines ``__getattr__``.
 
@@ -488,7 +513,18 @@ def _is_dataclass(node: ast.AST) -> bool:
     return any(_dotted_name(d) in _DATACLASS_DECORATORS for d in node.decorator_list)
 
 
+def _is_struct(node: ast.AST) -> bool:
+    """A msgspec Struct (vLLM's SamplingParams): fields are its annotated class attributes."""
+    if not isinstance(node, ast.ClassDef):
+        return False
+    return any(_dotted_name(b) in {"msgspec.Struct", "Struct"} for b in node.bases)
+
+
 def _decorator_kw_only(node: ast.ClassDef) -> bool:
+    if any(
+        kw.arg == "kw_only" and isinstance(kw.value, ast.Constant) and kw.value.value for kw in node.keywords
+    ):
+        return True
     for d in node.decorator_list:
         if isinstance(d, ast.Call) and _dotted_name(d) in _DATACLASS_DECORATORS:
             for kw in d.keywords:

@@ -1,0 +1,92 @@
+"""vllm.v1.core.sched: the Scheduler speculators drives by hand, and how it lays out a batch."""
+
+from __future__ import annotations
+
+from vllm_compat.probes._kit import LINES, V030, V040, call_probe, evidence
+
+from vllm_compat.apiview import ApiView
+from vllm_compat.findings import BASELINE, Observation, probe
+
+call_probe(
+    "scheduler.scheduler_kwargs",
+    ["vllm.v1.core.sched.scheduler.Scheduler"],
+    {
+        V030: ["vllm_config", "kv_cache_config", "structured_output_manager"],
+        V040: ["vllm_config", "kv_cache_config", "structured_output_manager", "block_size"],
+    },
+    "Scheduler(vllm_config, kv_cache_config, structured_output_manager[, block_size])",
+)
+call_probe(
+    "scheduler.structured_output_manager_kwargs",
+    ["vllm.v1.structured_output.StructuredOutputManager"],
+    dict.fromkeys(LINES, ["vllm_config"]),
+    "StructuredOutputManager(vllm_config=...)",
+)
+
+
+@probe(
+    "scheduler.loop_surface",
+    symbol="vllm.v1.core.sched.scheduler.Scheduler.schedule",
+    summary="schedule(), add_request(), finish_requests(ids, FINISHED_ABORTED) keep their call shapes",
+    expected=dict.fromkeys(
+        LINES,
+        "schedule() with no arguments, add_request(req), finish_requests(ids, status), FINISHED_ABORTED",
+    ),
+)
+def loop_surface(view: ApiView) -> Observation:
+    base = "vllm.v1.core.sched.scheduler.Scheduler"
+    problems, where = [], []
+    for method, takes in (("schedule", 0), ("add_request", 1), ("finish_requests", 2)):
+        params = view.parameters(f"{base}.{method}")
+        if params is None:
+            problems.append(f"no {method}")
+            continue
+        where.append(evidence(view.locate(f"{base}.{method}")))
+        required = [p for p in params if p.required]
+        if len(required) > takes:
+            problems.append(f"{method} now requires {', '.join(p.name for p in required)}")
+    if view.locate("vllm.v1.request.RequestStatus.FINISHED_ABORTED") is None:
+        problems.append("RequestStatus.FINISHED_ABORTED is gone")
+    for field in ("num_scheduled_tokens", "total_num_scheduled_tokens"):
+        if view.locate(f"vllm.v1.core.sched.output.SchedulerOutput.{field}") is None:
+            problems.append(f"SchedulerOutput.{field} is gone")
+    if problems:
+        return Observation("changed", "; ".join(problems), tuple(where))
+    return Observation(
+        BASELINE, "schedule/add_request/finish_requests and SchedulerOutput fields as expected", tuple(where)
+    )
+
+
+@probe(
+    "scheduler.batch_layout",
+    symbol="vllm.v1.worker.gpu_input_batch.InputBatch",
+    summary="tokens of a step arrive in request-submission order, whole prompts at a time",
+    expected={
+        V030: "the concatenated states of all steps follow the order requests were added, one whole "
+        "prompt each (0.3.0 slices them by position)",
+        V040: "input_batch.req_id_to_index gives each request's position in the step (0.4.0.1 sorts by it)",
+    },
+    accepts={V040: {BASELINE, "reorders"}},
+)
+def batch_layout(view: ApiView) -> Observation:
+    """vLLM reorders requests inside a step and splits long prompts across steps (speculators #279)."""
+    batch = "vllm.v1.worker.gpu_input_batch.InputBatch"
+    members = view.members(batch)
+    if members is None:
+        return Observation.unknown(f"{batch} is not readable")
+    reorders = sorted(m for m in ("condense", "swap_states", "reorder_batch") if m in members)
+    chunked = None
+    for p in view.parameters("vllm.config.SchedulerConfig") or ():
+        if p.name == "enable_chunked_prefill":
+            chunked = p.default
+    init = view.source(f"{batch}.__init__")
+    if "req_id_to_index" not in members and (init is None or "self.req_id_to_index" not in init.text):
+        return Observation("no_index", f"{batch} has no req_id_to_index", (evidence(view.locate(batch)),))
+    if reorders or chunked not in {"False", None}:
+        return Observation(
+            "reorders",
+            f"the batch is reordered between steps ({', '.join(reorders)}) and prompts are chunked "
+            f"(enable_chunked_prefill={chunked})",
+            (evidence(view.locate(batch)),),
+        )
+    return Observation(BASELINE, "requests keep their order and prompts are not chunked")
