@@ -90,9 +90,7 @@ def import_probe(
             return Observation(BASELINE, f"{dotted} is importable", (evidence(loc),))
         alt = first_found(view, [f"{m}.{name}" for m in moved_to])
         if alt:
-            return Observation(
-                "moved", f"{module} no longer has {name}; it moved to {alt[0]}", (evidence(alt[1]),)
-            )
+            return Observation("moved", f"{module} no longer has {name}; it moved to {alt[0]}", (evidence(alt[1]),))
         return Observation("missing", f"{module} has no {name}, and it is not at any known new place")
 
     observe.__module__ = "vllm_compat.probes.imports"
@@ -104,9 +102,7 @@ def import_probe(
     )(observe)
 
 
-def _check_call(
-    params: Sequence[Param], passed: Sequence[str], positional: int
-) -> tuple[list[str], list[str]]:
+def _check_call(params: Sequence[Param], passed: Sequence[str], positional: int) -> tuple[list[str], list[str]]:
     """(rejected keyword names, required parameters left unfilled) for a call shape."""
     by_name = {p.name: p for p in params}
     takes_kwargs = any(p.kind == "var_keyword" for p in params)
@@ -117,9 +113,7 @@ def _check_call(
         for k in passed
         if not takes_kwargs and (k not in by_name or by_name[k].kind in {"positional_only", "var_positional"})
     ]
-    missing = [
-        p.name for p in named if p.required and p.name not in passed and p.name not in filled_by_position
-    ]
+    missing = [p.name for p in named if p.required and p.name not in passed and p.name not in filled_by_position]
     return rejected, missing
 
 
@@ -141,9 +135,7 @@ def call_probe(
     def describe(line: str) -> str:
         n = positional_by_line.get(line, 0)
         shown = [f"<{n} positional>"] if n else []
-        return (
-            f"{candidates[0].rsplit('.', 1)[-1]}({', '.join(shown + [f'{k}=' for k in calls_by_line[line]])})"
-        )
+        return f"{candidates[0].rsplit('.', 1)[-1]}({', '.join(shown + [f'{k}=' for k in calls_by_line[line]])})"
 
     def observe(view: ApiView) -> Observation:
         found = first_found(view, candidates)

@@ -12,25 +12,23 @@ from vllm_compat.findings import BASELINE, Observation, probe
 call_probe(
     "config.vllm_config_kwargs",
     ["vllm.config.VllmConfig"],
-    dict.fromkeys(
-        LINES,
-        [
+    {
+        key: [
             "model_config",
             "cache_config",
             "parallel_config",
             "scheduler_config",
             "device_config",
             "load_config",
-        ],
-    ),
+        ]
+        for key in LINES
+    },
     "VllmConfig takes the six sub-configs by keyword",
 )
 call_probe(
     "config.model_config_kwargs",
     ["vllm.config.ModelConfig"],
-    dict.fromkeys(
-        LINES, ["model", "tokenizer", "trust_remote_code", "dtype", "max_model_len", "enforce_eager"]
-    ),
+    {key: ["model", "tokenizer", "trust_remote_code", "dtype", "max_model_len", "enforce_eager"] for key in LINES},
     "ModelConfig takes model, tokenizer, trust_remote_code, dtype, max_model_len, enforce_eager",
 )
 call_probe(
@@ -45,7 +43,7 @@ call_probe(
 call_probe(
     "config.parallel_config_kwargs",
     ["vllm.config.ParallelConfig"],
-    dict.fromkeys(LINES, ["tensor_parallel_size", "worker_extension_cls"]),
+    {key: ["tensor_parallel_size", "worker_extension_cls"] for key in LINES},
     "ParallelConfig takes tensor_parallel_size and worker_extension_cls",
 )
 call_probe(
@@ -57,10 +55,8 @@ call_probe(
     },
     "SchedulerConfig is built from max_num_seqs, max_model_len, max_num_batched_tokens (+ is_encoder_decoder)",
 )
-call_probe(
-    "config.device_config_kwargs", ["vllm.config.DeviceConfig"], dict.fromkeys(LINES, []), "DeviceConfig()"
-)
-call_probe("config.load_config_kwargs", ["vllm.config.LoadConfig"], dict.fromkeys(LINES, []), "LoadConfig()")
+call_probe("config.device_config_kwargs", ["vllm.config.DeviceConfig"], {key: [] for key in LINES}, "DeviceConfig()")
+call_probe("config.load_config_kwargs", ["vllm.config.LoadConfig"], {key: [] for key in LINES}, "LoadConfig()")
 
 
 def _default_of(view: ApiView, dotted: str, name: str) -> tuple[str | None, str]:
@@ -76,7 +72,7 @@ def _default_of(view: ApiView, dotted: str, name: str) -> tuple[str | None, str]
     symbol="vllm.config.SchedulerConfig.async_scheduling",
     summary="a hand-built VllmConfig keeps async scheduling off unless asked",
     expected=dict.fromkeys(LINES, "async_scheduling defaults to False: execute_model runs synchronously"),
-    accepts=dict.fromkeys(LINES, {"off"}),
+    accepts={key: {"off"} for key in LINES},
 )
 def async_scheduling_default(view: ApiView) -> Observation:
     default, where = _default_of(view, "vllm.config.SchedulerConfig", "async_scheduling")
@@ -123,7 +119,7 @@ def prefix_caching_default(view: ApiView) -> Observation:
     symbol="vllm.config.VllmConfig.use_v2_model_runner",
     summary="the V1 GPU model runner (with input_batch) runs the model",
     expected=dict.fromkeys(LINES, "workers use the V1 model runner, which has input_batch.req_id_to_index"),
-    accepts=dict.fromkeys(LINES, {BASELINE, "v2_opt_in"}),
+    accepts={key: {BASELINE, "v2_opt_in"} for key in LINES},
 )
 def model_runner_default(view: ApiView) -> Observation:
     if not view.has_module("vllm.v1.worker.gpu.model_runner"):

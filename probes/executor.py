@@ -14,7 +14,7 @@ EXECUTOR = "vllm.v1.executor.multiproc_executor.MultiprocExecutor"
 call_probe(
     "executor.multiproc_kwargs",
     [EXECUTOR],
-    dict.fromkeys(LINES, ["vllm_config"]),
+    {key: ["vllm_config"] for key in LINES},
     "MultiprocExecutor(vllm_config=...)",
 )
 
@@ -82,12 +82,8 @@ def unique_reply_shape(view: ApiView) -> Observation:
     if single is None:
         return Observation.unknown("no return statement of a known shape", evidence(loc))
     if single:
-        return Observation(
-            "single", "with unique_reply_rank set it returns responses[0], not a list", (evidence(loc),)
-        )
-    return Observation(
-        "list", "it returns the list of replies, one element with unique_reply_rank", (evidence(loc),)
-    )
+        return Observation("single", "with unique_reply_rank set it returns responses[0], not a list", (evidence(loc),))
+    return Observation("list", "it returns the list of replies, one element with unique_reply_rank", (evidence(loc),))
 
 
 @probe(

@@ -26,14 +26,14 @@ call_probe(
 call_probe(
     "kv_cache.uniform_spec_groups_call",
     _homes("_get_kv_cache_groups_uniform_spec"),
-    dict.fromkeys(LINES, []),
+    {key: [] for key in LINES},
     "_get_kv_cache_groups_uniform_spec(kv_cache_spec) positionally",
     positional_by_line=dict.fromkeys(LINES, 1),
 )
 call_probe(
     "kv_cache.unify_hybrid_specs_call",
     _homes("unify_hybrid_kv_cache_specs"),
-    dict.fromkeys(LINES, []),
+    {key: [] for key in LINES},
     "unify_hybrid_kv_cache_specs(kv_cache_spec) positionally",
     positional_by_line=dict.fromkeys(LINES, 1),
 )

@@ -43,9 +43,7 @@ def embedding_method(view: ApiView) -> Observation:
     "model.forward_params",
     symbol=f"{LLAMA}.LlamaModel.forward",
     summary="the base model's forward takes (input_ids, positions, intermediate_tensors, inputs_embeds)",
-    expected=dict.fromkeys(
-        LINES, "forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None)"
-    ),
+    expected=dict.fromkeys(LINES, "forward(input_ids, positions, intermediate_tensors=None, inputs_embeds=None)"),
 )
 def forward_params(view: ApiView) -> Observation:
     params = view.parameters(f"{LLAMA}.LlamaModel.forward")
@@ -64,9 +62,7 @@ def forward_params(view: ApiView) -> Observation:
     "model.decoder_layer_call",
     symbol=f"{LLAMA}.LlamaDecoderLayer.forward",
     summary="layer(hidden_states=, positions=, residual=) returns (hidden_states, residual)",
-    expected=dict.fromkeys(
-        LINES, "layer(hidden_states=, positions=, residual=) -> (hidden_states, residual)"
-    ),
+    expected=dict.fromkeys(LINES, "layer(hidden_states=, positions=, residual=) -> (hidden_states, residual)"),
 )
 def decoder_layer_call(view: ApiView) -> Observation:
     dotted = f"{LLAMA}.LlamaDecoderLayer.forward"
@@ -86,27 +82,21 @@ def decoder_layer_call(view: ApiView) -> Observation:
         return Observation("changed", f"forward({', '.join(p.name for p in params)})", (where,))
     if "return hidden_states, residual" not in text:
         return Observation("changed", "forward no longer returns (hidden_states, residual)", (where,))
-    return Observation(
-        BASELINE, "layer(positions, hidden_states, residual) -> (hidden_states, residual)", (where,)
-    )
+    return Observation(BASELINE, "layer(positions, hidden_states, residual) -> (hidden_states, residual)", (where,))
 
 
 @probe(
     "model.layer_attributes",
     symbol=f"{LLAMA}.LlamaModel.layers",
     summary="the base model keeps layers, start_layer, end_layer and a fused-residual final norm",
-    expected=dict.fromkeys(
-        LINES, "self.layers / start_layer / end_layer; norm(hidden, residual) -> (out, _)"
-    ),
+    expected=dict.fromkeys(LINES, "self.layers / start_layer / end_layer; norm(hidden, residual) -> (out, _)"),
 )
 def layer_attributes(view: ApiView) -> Observation:
     init = view.source(f"{LLAMA}.LlamaModel.__init__")
     forward = view.source(f"{LLAMA}.LlamaModel.forward")
     if init is None or forward is None:
         return Observation.unknown("LlamaModel is not readable")
-    missing = [
-        a for a in ("self.layers", "self.start_layer", "self.end_layer", "self.norm") if a not in init.text
-    ]
+    missing = [a for a in ("self.layers", "self.start_layer", "self.end_layer", "self.norm") if a not in init.text]
     if "self.norm(hidden_states, residual)" not in forward.text:
         missing.append("self.norm(hidden_states, residual)")
     where = evidence(view.locate(f"{LLAMA}.LlamaModel.__init__"))

@@ -21,7 +21,7 @@ def v1_attributes(view: ApiView) -> Observation:
     parsed = parse_source(view, f"{RUNNER}.__init__")
     if parsed is None:
         return Observation.unknown(f"{RUNNER}.__init__ is not readable")
-    tree, loc = parsed
+    _tree, loc = parsed
     text = view.source(f"{RUNNER}.__init__").text  # type: ignore[union-attr]
     batch_init = view.source(f"{BATCH}.__init__")
     batch_text = (batch_init.text if batch_init else "") + " ".join(view.members(BATCH) or ())

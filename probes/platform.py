@@ -17,7 +17,7 @@ CPU_ATTN = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
     symbol=f"{CPU_ATTN}.get_supported_kernel_block_sizes",
     summary="the CPU attention backend accepts speculators' block size of 16",
     expected=dict.fromkeys(LINES, "block_size=16 is valid (on the CPU backend too)"),
-    accepts=dict.fromkeys(LINES, {BASELINE, "multiple_of_16"}),
+    accepts={key: {BASELINE, "multiple_of_16"} for key in LINES},
 )
 def cpu_block_size(view: ApiView) -> Observation:
     dotted = f"{CPU_ATTN}.get_supported_kernel_block_sizes"
@@ -30,7 +30,5 @@ def cpu_block_size(view: ApiView) -> Observation:
         return Observation.unknown("its kernel block sizes are not a MultipleOf(N)", where)
     n = int(found.group(1))
     if 16 % n == 0:
-        return Observation(
-            f"multiple_of_{n}" if n != 1 else BASELINE, f"kernel block sizes: MultipleOf({n})", (where,)
-        )
+        return Observation(f"multiple_of_{n}" if n != 1 else BASELINE, f"kernel block sizes: MultipleOf({n})", (where,))
     return Observation(f"multiple_of_{n}", f"kernel block sizes: MultipleOf({n}); 16 is rejected", (where,))

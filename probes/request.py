@@ -23,7 +23,7 @@ call_probe(
 call_probe(
     "request.sampling_params_kwargs",
     ["vllm.sampling_params.SamplingParams"],
-    dict.fromkeys(LINES, ["max_tokens", "temperature"]),
+    {key: ["max_tokens", "temperature"] for key in LINES},
     "SamplingParams(max_tokens=1, temperature=0.0)",
 )
 call_probe(

@@ -19,7 +19,7 @@ call_probe(
 call_probe(
     "scheduler.structured_output_manager_kwargs",
     ["vllm.v1.structured_output.StructuredOutputManager"],
-    dict.fromkeys(LINES, ["vllm_config"]),
+    {key: ["vllm_config"] for key in LINES},
     "StructuredOutputManager(vllm_config=...)",
 )
 

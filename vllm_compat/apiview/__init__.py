@@ -37,9 +37,7 @@ class Param:
     """One parameter of a callable; for a class, of its constructor (``self`` left out)."""
 
     name: str
-    kind: (
-        str  # "positional_only" | "positional_or_keyword" | "var_positional" | "keyword_only" | "var_keyword"
-    )
+    kind: str  # "positional_only" | "positional_or_keyword" | "var_positional" | "keyword_only" | "var_keyword"
     required: bool
     default: str | None = None  # source text (static) or repr (live); display only
     annotation: str | None = None

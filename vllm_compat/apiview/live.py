@@ -63,9 +63,7 @@ class LiveView:
             kind = "function"
         else:
             kind, defining, qualname = "attribute", module, qual
-        file, line = (
-            _file_line(target) if kind != "attribute" else (_relative_file(sys.modules.get(module)), None)
-        )
+        file, line = _file_line(target) if kind != "attribute" else (_relative_file(sys.modules.get(module)), None)
         if kind == "attribute" and file is not None:
             line = _attribute_line(sys.modules.get(module), qual)
         return Location(defining, qualname, kind, file, line)
@@ -197,9 +195,7 @@ def _attribute_line(module: Any, name: str) -> int | None:
     except (OSError, TypeError, SyntaxError):
         return None
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == name for t in node.targets
-        ):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
             return node.lineno
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
             return node.lineno

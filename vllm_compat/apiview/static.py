@@ -241,8 +241,7 @@ class StaticView:
             source = _absolute(module, "." * binding.level + (binding.module or ""), self._is_package(module))
             if (
                 self.has_module(f"{source}.{alias.name}")
-                and _last_binding(self._parse(source) or ast.Module(body=[], type_ignores=[]), alias.name)
-                is None
+                and _last_binding(self._parse(source) or ast.Module(body=[], type_ignores=[]), alias.name) is None
             ):
                 return _Def(f"{source}.{alias.name}", None, "")
             return self._resolve_in_module(source, alias.name, hops + 1)
@@ -335,9 +334,7 @@ class StaticView:
                 if class_kw_only or kw_only_from_here or _field_kw_only(stmt.value):
                     kw_only_names.add(name)
         params = [
-            Param(p.name, "keyword_only", p.required, p.default, p.annotation)
-            if p.name in kw_only_names
-            else p
+            Param(p.name, "keyword_only", p.required, p.default, p.annotation) if p.name in kw_only_names else p
             for p in fields.values()
         ]
         return tuple(params)
@@ -352,9 +349,7 @@ class StaticView:
             kind = "function"
         else:
             kind = "attribute"
-        return Location(
-            found.module, found.qualname, kind, self._module_file(found.module), _first_line(node)
-        )
+        return Location(found.module, found.qualname, kind, self._module_file(found.module), _first_line(node))
 
 
 # -- AST helpers (pure functions) ------------------------------------------------------------
@@ -521,9 +516,7 @@ def _is_struct(node: ast.AST) -> bool:
 
 
 def _decorator_kw_only(node: ast.ClassDef) -> bool:
-    if any(
-        kw.arg == "kw_only" and isinstance(kw.value, ast.Constant) and kw.value.value for kw in node.keywords
-    ):
+    if any(kw.arg == "kw_only" and isinstance(kw.value, ast.Constant) and kw.value.value for kw in node.keywords):
         return True
     for d in node.decorator_list:
         if isinstance(d, ast.Call) and _dotted_name(d) in _DATACLASS_DECORATORS:
