@@ -58,35 +58,55 @@ def loop_surface(view: ApiView) -> Observation:
 
 
 @probe(
-    "scheduler.batch_layout",
+    "scheduler.batch_order",
     symbol="vllm.v1.worker.gpu_input_batch.InputBatch",
-    summary="tokens of a step arrive in request-submission order, whole prompts at a time",
+    summary="the rows of a step follow the order requests were added",
     expected={
-        V030: "the concatenated states of all steps follow the order requests were added, one whole "
-        "prompt each (0.3.0 slices them by position)",
-        V040: "input_batch.req_id_to_index gives each request's position in the step (0.4.0.1 sorts by it)",
+        V030: "the concatenated states of all steps follow request-submission order (0.3.0 slices by position)",
+        V040: "input_batch.req_id_to_index gives each request's row in the step (0.4.0.1 sorts by it)",
     },
     accepts={V040: {BASELINE, "reorders"}},
 )
-def batch_layout(view: ApiView) -> Observation:
-    """vLLM reorders requests inside a step and splits long prompts across steps (speculators #279)."""
+def batch_order(view: ApiView) -> Observation:
+    """vLLM moves requests between batch rows (speculators issue #279)."""
     batch = "vllm.v1.worker.gpu_input_batch.InputBatch"
     members = view.members(batch)
     if members is None:
         return Observation.unknown(f"{batch} is not readable")
-    reorders = sorted(m for m in ("condense", "swap_states", "reorder_batch") if m in members)
-    chunked = None
-    for p in view.parameters("vllm.config.SchedulerConfig") or ():
-        if p.name == "enable_chunked_prefill":
-            chunked = p.default
     init = view.source(f"{batch}.__init__")
+    where = (evidence(view.locate(batch)),)
     if "req_id_to_index" not in members and (init is None or "self.req_id_to_index" not in init.text):
-        return Observation("no_index", f"{batch} has no req_id_to_index", (evidence(view.locate(batch)),))
-    if reorders or chunked not in {"False", None}:
+        return Observation("no_index", f"{batch} has no req_id_to_index", where)
+    movers = sorted(m for m in ("condense", "swap_states") if m in members)
+    if movers:
         return Observation(
-            "reorders",
-            f"the batch is reordered between steps ({', '.join(reorders)}) and prompts are chunked "
-            f"(enable_chunked_prefill={chunked})",
-            (evidence(view.locate(batch)),),
+            "reorders", f"requests change rows between steps ({', '.join(movers)}); req_id_to_index tracks them", where
         )
-    return Observation(BASELINE, "requests keep their order and prompts are not chunked")
+    return Observation(BASELINE, "requests keep their rows", where)
+
+
+@probe(
+    "scheduler.chunked_prefill",
+    symbol="vllm.config.SchedulerConfig.enable_chunked_prefill",
+    summary="a prompt is scheduled whole, in one step",
+    expected={
+        V030: "each request is prefilled in one step (0.3.0 aborts every scheduled request after its first step)",
+        V040: "prompts may be split across steps (0.4.0.1 tracks computed tokens per request)",
+    },
+    accepts={V040: {BASELINE, "chunked"}},
+)
+def chunked_prefill(view: ApiView) -> Observation:
+    dotted = "vllm.config.SchedulerConfig"
+    params = view.parameters(dotted)
+    if params is None:
+        return Observation.unknown("SchedulerConfig is not readable")
+    default = next((p.default for p in params if p.name == "enable_chunked_prefill"), None)
+    where = evidence(view.locate(dotted), f"enable_chunked_prefill={default}")
+    if default == "False":
+        return Observation(BASELINE, "chunked prefill is off by default", (where,))
+    return Observation(
+        "chunked",
+        f"chunked prefill is on (enable_chunked_prefill={default}): a prompt longer than max_num_batched_tokens, "
+        "or one that does not fit the step's token budget, is split across steps",
+        (where,),
+    )
