@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_compat.patching import Patch, Wrapper, set_attr, wrap
+from vllm_compat.patching import EnvPatch, Patch, Wrapper, set_attr, set_env, wrap
 
 __all__ = ["Adapter", "load_adapters", "registered_adapters"]
 
@@ -31,6 +31,9 @@ class Adapter:
       side:        "parent" (the generator's process) or "worker" (every vLLM worker process).
       first_vllm:  the first vLLM release that needs it.
       remove_when: when the adapter can be deleted.
+      always:      non-empty for an adapter that no vLLM finding calls for: a speculators defect or a
+                   run-time condition (such as vLLM's CPU platform) that the adapter checks itself.
+                   The text says why; the report shows it.
     The class docstring says what broke, why it is fixed at this place, and upstream references.
     """
 
@@ -41,6 +44,7 @@ class Adapter:
     side: ClassVar[str] = "parent"
     first_vllm: ClassVar[str] = ""
     remove_when: ClassVar[str] = "speculators no longer uses the in-process generator (>= 0.5)"
+    always: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -48,11 +52,11 @@ class Adapter:
             return  # an abstract intermediate class
         if cls.id in _REGISTRY and _REGISTRY[cls.id].__qualname__ != cls.__qualname__:
             raise ValueError(f"duplicate adapter id {cls.id!r}")
-        cls.covers = {k: frozenset(v) for k, v in cls.covers.items()}
+        cls.covers = {k: frozenset(v) for k, v in getattr(cls, "covers", {}).items()}
         _REGISTRY[cls.id] = cls
 
     def __init__(self) -> None:
-        self._patches: list[Patch] = []
+        self._patches: list[Patch | EnvPatch] = []
         self.reason: str = ""
 
     # -- metadata helpers ------------------------------------------------------------------
@@ -80,6 +84,9 @@ class Adapter:
 
     def wrap(self, owner: Any, path: str, wrapper: Wrapper) -> None:
         self._patches.append(wrap(owner, path, wrapper, f"{self.id}: {_name(owner)}.{path}"))
+
+    def set_env(self, name: str, value: str) -> None:
+        self._patches.append(set_env(name, value, f"{self.id}: ${name}"))
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         self._patches.append(set_attr(owner, name, value, f"{self.id}: {_name(owner)}.{name}"))

@@ -130,10 +130,10 @@ class _Engine:
     def _maybe_apply(self, cls: type[Adapter], module: ModuleType, line: str) -> None:
         if not cls.serves(line):
             return
-        reasons = []
+        reasons = [f"always: {cls.always}"] if cls.always else []
         for probe_id in cls.covers:
             finding = self._finding(probe_id, line)
-            if finding is not None and finding.state is State.DRIFTED and finding.adapter == cls.id:
+            if finding is not None and finding.state is State.DRIFTED and cls.covers_variant(probe_id, finding.variant):
                 reasons.append(f"{probe_id}: {finding.observed}")
         if not reasons:
             return

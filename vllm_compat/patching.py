@@ -7,13 +7,14 @@ never clobber a patch someone else applied on top (the OpenTelemetry ``unwrap`` 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
-__all__ = ["Patch", "set_attr", "wrap"]
+__all__ = ["EnvPatch", "Patch", "set_attr", "set_env", "wrap"]
 
 logger = logging.getLogger("vllm_compat")
 _ABSENT = object()
@@ -67,3 +68,32 @@ def set_attr(owner: Any, name: str, value: Any, label: str) -> Patch:
     before = _own_attr(owner, name)
     setattr(owner, name, value)
     return Patch(owner, name, before, value, label)
+
+
+@dataclass
+class EnvPatch:
+    """One environment variable set for vLLM's worker processes (they inherit the environment)."""
+
+    name: str
+    original: str | None
+    value: str
+    label: str
+
+    def is_current(self) -> bool:
+        return os.environ.get(self.name) == self.value
+
+    def revert(self) -> bool:
+        if not self.is_current():
+            logger.warning("not reverting %s: it was changed after vllm-compat set it", self.label)
+            return False
+        if self.original is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.original
+        return True
+
+
+def set_env(name: str, value: str, label: str) -> EnvPatch:
+    original = os.environ.get(name)
+    os.environ[name] = value
+    return EnvPatch(name, original, value, label)

@@ -1,0 +1,116 @@
+"""Adapters for the config dataclasses speculators builds by hand in its generator."""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+from vllm_compat.adapters._kit import GENERATOR_MODULE, accepts, rewrite_kwargs
+
+from vllm_compat.adapter import Adapter
+from vllm_compat.errors import AdapterError
+
+logger = logging.getLogger("vllm_compat")
+
+
+class SchedulerConfigKwargs(Adapter):
+    """SchedulerConfig's ``is_encoder_decoder`` InitVar.
+
+    What broke: vLLM 0.11.1 added ``is_encoder_decoder`` (InitVar, default False) and 0.12.0 made it and
+    ``max_model_len`` required; speculators 0.3.0 does not pass it (pydantic: missing argument), while
+    0.4.0.1 passes it and so fails on 0.11.0, which rejects it.
+    Where fixed: speculators' call, because False is the only right value for the decoder-only targets the
+    generator serves, and vLLM's class must stay strict for everyone else.
+    """
+
+    id = "scheduler-config-is-encoder-decoder"
+    covers = {"config.scheduler_config_kwargs": {"requires=is_encoder_decoder", "rejects=is_encoder_decoder"}}
+    target = GENERATOR_MODULE
+    first_vllm = "0.11.1 (added), 0.12.0 (required)"
+
+    def apply(self, module: ModuleType) -> None:
+        def fix(cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if accepts(cls, "is_encoder_decoder"):
+                kwargs.setdefault("is_encoder_decoder", False)
+            else:
+                kwargs.pop("is_encoder_decoder", None)
+            return kwargs
+
+        self.wrap(module, "SchedulerConfig", rewrite_kwargs(fix))
+
+
+class AsyncSchedulingOff(Adapter):
+    """Keep async scheduling off for the hand-driven loop.
+
+    What broke: from vLLM 0.14.0 ``SchedulerConfig.async_scheduling`` defaults to None and
+    ``VllmConfig.__post_init__`` turns it on for the uni/mp executors. Workers then keep sampled tokens on the
+    device and expect the AsyncScheduler's placeholders, while speculators drives the plain Scheduler and never
+    feeds outputs back. Prefill-only extraction gains nothing from overlap.
+    Where fixed: speculators' SchedulerConfig call (``async_scheduling=False`` unless it asked otherwise); the
+    keyword exists in every release from 0.11.0.
+    """
+
+    id = "async-scheduling-off"
+    covers = {"config.async_scheduling_default": {"auto"}}
+    target = GENERATOR_MODULE
+    first_vllm = "0.14.0"
+
+    def apply(self, module: ModuleType) -> None:
+        def fix(cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            kwargs.setdefault("async_scheduling", False)
+            return kwargs
+
+        self.wrap(module, "SchedulerConfig", rewrite_kwargs(fix))
+
+
+class PrefixCachingOff(Adapter):
+    """Turn prefix caching off for speculators 0.3.0, as 0.4.0.1 does.
+
+    What broke: vLLM 0.12.0 made ``enable_prefix_caching`` default to True. 0.3.0 passes no block hasher, so
+    ``BlockPool.cache_full_blocks`` asserts once a block fills; and with caching on, a repeated prompt prefix
+    would be served from cache and its hidden states never computed, i.e. silently missing.
+    Where fixed: speculators' CacheConfig call; extraction must compute every token.
+    """
+
+    id = "prefix-caching-off"
+    covers = {"config.prefix_caching_default": {"on"}}
+    speculators = "==0.3.*"
+    target = GENERATOR_MODULE
+    first_vllm = "0.12.0"
+
+    def apply(self, module: ModuleType) -> None:
+        def fix(cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            kwargs.setdefault("enable_prefix_caching", False)
+            return kwargs
+
+        self.wrap(module, "CacheConfig", rewrite_kwargs(fix))
+
+
+class ForceV1ModelRunner(Adapter):
+    """Select the V1 model runner in vLLM's workers.
+
+    What broke: Model Runner V2 became the default (Qwen3 in 0.22.0, Llama in 0.23.0, all dense models in
+    0.25.0, every model in 0.29.0). V2 keeps the batch as a per-step local: there is no
+    ``model_runner.input_batch`` with ``req_id_to_index``, which speculators 0.4.0.1 (and vllm-compat's
+    per-request capture for 0.3.0) need to know which rows of a step belong to which request.
+    Where fixed: the environment (``VLLM_USE_V2_MODEL_RUNNER=0``), set before VllmConfig is built and
+    inherited by the spawned workers. If the user forced V2 explicitly, fail closed.
+    """
+
+    id = "model-runner-v1"
+    covers = {"config.model_runner_default": {"v2_default"}}
+    target = GENERATOR_MODULE
+    first_vllm = "0.22.0 (Qwen3), 0.23.0 (Llama), 0.29.0 (all models)"
+    remove_when = "V1 is removed from vLLM; then capture must read V2's per-step InputBatch"
+    VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+    def apply(self, module: ModuleType) -> None:
+        current = os.environ.get(self.VARIABLE)
+        if current is not None and current.strip().lower() in {"1", "true"}:
+            raise AdapterError(
+                f"{self.VARIABLE}={current} selects Model Runner V2, which has no input_batch; speculators' "
+                f"worker extension cannot map captured rows to requests there. Unset {self.VARIABLE} or set it to 0."
+            )
+        self.set_env(self.VARIABLE, "0")
