@@ -104,6 +104,11 @@ def chunked_prefill(view: ApiView) -> Observation:
     where = evidence(view.locate(dotted), f"enable_chunked_prefill={default}")
     if default == "False":
         return Observation(BASELINE, "chunked prefill is off by default", (where,))
+    post_init = view.source(f"{dotted}.__post_init__")
+    if default == "None" and (post_init is None or "enable_chunked_prefill = True" not in post_init.text):
+        # vLLM 0.11.0: None means "unset"; only EngineArgs turns it on. A hand-built SchedulerConfig keeps
+        # chunked_prefill_enabled = None, and the V1 scheduler then never splits a waiting prompt.
+        return Observation(BASELINE, "chunked prefill is unset (None): off for a hand-built SchedulerConfig", (where,))
     return Observation(
         "chunked",
         f"chunked prefill is on (enable_chunked_prefill={default}): a prompt longer than max_num_batched_tokens, "
