@@ -9,6 +9,7 @@ from typing import Any
 from vllm_compat.adapters._kit import GENERATOR_MODULE, after_construct, wrap_instance_method
 
 from vllm_compat.adapter import Adapter
+from vllm_compat.versions import installed_version, speculators_line
 
 logger = logging.getLogger("vllm_compat")
 
@@ -63,19 +64,16 @@ class UniqueReplyShape(Adapter):
     first_vllm = "0.11.1"
 
     def apply(self, module: ModuleType) -> None:
-        wants_list = not hasattr(module, "get_request_block_hasher")  # 0.3.0 indexes [0]; 0.4.0.1 does not
+        # The direction follows from which line is installed (this adapter is applied only when vLLM's convention
+        # differs from that line's): the reply itself cannot tell, since speculators' own replies are lists too.
+        wants_list = speculators_line(installed_version("speculators")) == "0.3.0"
 
         def collective_rpc(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             reply = wrapped(*args, **kwargs)
             method = kwargs.get("method", args[0] if args else None)
             if kwargs.get("unique_reply_rank") is None or method not in _EXTENSION_REPLIES:
                 return reply
-            is_list = isinstance(reply, list)
-            if wants_list and not is_list:
-                return [reply]
-            if not wants_list and is_list and len(reply) == 1:
-                return reply[0]
-            return reply
+            return [reply] if wants_list else reply[0]
 
         self.wrap(
             module,

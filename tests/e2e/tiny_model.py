@@ -23,7 +23,7 @@ TINY_VOCAB_SIZE = 512
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 
 
-def _build_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFast
+def _build_tokenizer(vocab_size: int, max_length: int):  # -> transformers.PreTrainedTokenizerFast
     """Return a word-level fast tokenizer whose vocabulary has ``vocab_size`` ids.
 
     Ids 0-3 are ``<unk>``, ``<s>`` (bos), ``</s>`` (eos) and ``<pad>``; the rest
@@ -49,12 +49,14 @@ def _build_tokenizer(vocab_size: int):  # -> transformers.PreTrainedTokenizerFas
         bos_token="<s>",
         eos_token="</s>",
         pad_token="<pad>",
-        model_max_length=512,
+        model_max_length=max_length,
         model_input_names=["input_ids", "attention_mask"],
     )
 
 
-def build_tiny_llama(path: str | Path, *, num_layers: int = 4, seed: int = 0, head_dim: int = 32) -> Path:
+def build_tiny_llama(
+    path: str | Path, *, num_layers: int = 4, seed: int = 0, head_dim: int = 32, max_positions: int = 4096
+) -> Path:
     """Write a tiny random float32 Llama model and its tokenizer to ``path``.
 
     Args:
@@ -64,6 +66,7 @@ def build_tiny_llama(path: str | Path, *, num_layers: int = 4, seed: int = 0, he
         head_dim: Attention head size.  Set explicitly (hidden_size / heads would
             be 16) because vLLM's CPU attention backend supports head sizes of
             32 and up only ("Unsupported CPU attention configuration: head_dim=16").
+        max_positions: ``max_position_embeddings``; at least speculators' default max_model_len (2048).
 
     Returns:
         The output directory as a :class:`~pathlib.Path`.
@@ -74,7 +77,7 @@ def build_tiny_llama(path: str | Path, *, num_layers: int = 4, seed: int = 0, he
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = _build_tokenizer(TINY_VOCAB_SIZE)
+    tokenizer = _build_tokenizer(TINY_VOCAB_SIZE, max_positions)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -83,7 +86,7 @@ def build_tiny_llama(path: str | Path, *, num_layers: int = 4, seed: int = 0, he
         num_key_value_heads=2,
         head_dim=head_dim,
         vocab_size=TINY_VOCAB_SIZE,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_compat.apiview import Location, Param, Source, split_dotted
+from vllm_compat.apiview.static import _class_body_binding, _first_line
 from vllm_compat.versions import installed_version
 
 __all__ = ["LiveView"]
@@ -49,6 +51,14 @@ class LiveView:
         return self._import_errors.get(module)
 
     def locate(self, dotted: str) -> Location | None:
+        member = self._class_member(dotted)
+        if member is not None:
+            owner, node, _ = member
+            file, start = _file_line(owner)
+            kind = "function" if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else "attribute"
+            kind = "class" if isinstance(node, ast.ClassDef) else kind
+            line = start + _first_line(node) - 1 if start is not None else None
+            return Location(owner.__module__, f"{owner.__qualname__}.{dotted.rsplit('.', 1)[1]}", kind, file, line)
         obj, module, qual = self._lookup(dotted)
         if obj is _MISSING:
             return None
@@ -82,6 +92,15 @@ class LiveView:
         return tuple(_param(p) for p in params)
 
     def source(self, dotted: str) -> Source | None:
+        member = self._class_member(dotted)
+        if member is not None:
+            owner, node, text = member
+            file, start = _file_line(owner)
+            segment = ast.get_source_segment(text, node, padded=True)
+            if segment is None:
+                return None
+            line = start + _first_line(node) - 1 if start is not None else None
+            return Source(text=textwrap.dedent(segment), file=file, line=line)
         obj, _, _ = self._lookup(dotted)
         if obj is _MISSING:
             return None
@@ -106,6 +125,33 @@ class LiveView:
         return frozenset(n for n in names if not (n.startswith("__") and n.endswith("__")) or n == "__init__")
 
     # -- helpers ---------------------------------------------------------------------------
+    def _class_member(self, dotted: str) -> tuple[type, ast.stmt, str] | None:
+        """For ``pkg.mod.Class.name``: the class in the MRO whose body binds ``name``, that statement, its source.
+
+        Read from the class's source text, as StaticView does: decorators such as vLLM's
+        ``@support_torch_compile`` replace ``__init__`` with a closure whose source says nothing about the class,
+        and dataclass fields without defaults are not class attributes at all.
+        """
+        owner_dotted, _, name = dotted.rpartition(".")
+        owner, _, _ = self._lookup(owner_dotted) if owner_dotted else (_MISSING, "", "")
+        if owner is _MISSING or not inspect.isclass(owner):
+            return None
+        for cls in owner.__mro__:
+            if cls is object or cls.__module__ == "builtins":
+                continue
+            try:
+                text = textwrap.dedent(inspect.getsource(cls))
+                tree = ast.parse(text)
+            except (OSError, TypeError, SyntaxError):
+                continue
+            node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+            if node is None:
+                continue
+            found = _class_body_binding(node, name)
+            if found is not None:
+                return cls, found, text
+        return None
+
     def _import(self, module: str) -> Any:
         if module in sys.modules:
             return sys.modules[module]
@@ -188,8 +234,6 @@ def _file_line(obj: Any) -> tuple[str | None, int | None]:
 
 def _attribute_line(module: Any, name: str) -> int | None:
     """Line of a module-level assignment, found by reading the module's source."""
-    import ast
-
     try:
         tree = ast.parse(inspect.getsource(module))
     except (OSError, TypeError, SyntaxError):

@@ -1,0 +1,90 @@
+"""An unchanged speculators extraction script, as a user runs it: ``import vllm_compat`` first, nothing else.
+
+Run by the end-to-end tests in a fresh interpreter (so vLLM's spawned workers see exactly what a user's
+would). It builds speculators' own ``VllmHiddenStatesGenerator`` on a local model, runs a list of calls and
+saves what ``generate()`` returned, with timings and what vllm-compat applied, to ``--out`` (torch.save).
+
+The only test-harness choice: ``--dtype float32`` keeps vLLM's CPU backend from running a float32 checkpoint in
+bfloat16 (its choice for ``dtype="auto"``), so states can be compared with transformers at 1e-4. It rebinds
+``ModelConfig`` in speculators' module for this process only, and is off unless asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--calls", required=True, help="JSON list of calls, each a list of token-id lists")
+    parser.add_argument("--layers", required=True, help="comma-separated layer ids")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--no-compat", action="store_true", help="do not import vllm_compat")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    if not args.no_compat:
+        import vllm_compat
+
+    from speculators.data_generation import vllm_hidden_states_generator as gen_module
+
+    if args.dtype:
+        _force_dtype(gen_module, args.dtype)
+
+    layer_ids = [int(x) for x in args.layers.split(",")]
+    with open(args.calls) as f:
+        calls = json.load(f)
+    t_import = time.perf_counter()
+    generator = gen_module.VllmHiddenStatesGenerator(
+        model_path=args.model, layer_ids=layer_ids, max_model_len=args.max_model_len
+    )
+    t_init = time.perf_counter()
+    outputs, call_seconds = [], []
+    for token_ids in calls:
+        start = time.perf_counter()
+        outputs.append(generator.generate(token_ids))
+        call_seconds.append(time.perf_counter() - start)
+    vllm_dtype = str(generator.vllm_config.model_config.dtype)
+    status = {}
+    if not args.no_compat:
+        import vllm_compat
+
+        status = vllm_compat.status()
+    generator.executor.shutdown()
+
+    import torch
+
+    torch.save(
+        {
+            "outputs": outputs,
+            "import_seconds": t_import - t0,
+            "init_seconds": t_init - t_import,
+            "call_seconds": call_seconds,
+            "vllm_dtype": vllm_dtype,
+            "status": status,
+        },
+        args.out,
+    )
+    return 0
+
+
+def _force_dtype(module, dtype: str) -> None:
+    original = module.ModelConfig
+
+    def model_config(*args, **kwargs):
+        kwargs["dtype"] = dtype
+        return original(*args, **kwargs)
+
+    module.ModelConfig = model_config
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sys.exit(main())

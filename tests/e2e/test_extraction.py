@@ -1,0 +1,61 @@
+"""Unchanged speculators extraction on a real vLLM engine, compared with transformers on the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import TOLERANCE, max_diff, run_extract
+
+pytestmark = pytest.mark.e2e
+REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")  # where the matrix runner collects per-cell numbers
+
+
+def _record(name: str, value: object) -> None:
+    if REPORT:
+        path = Path(REPORT)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = value
+        path.write_text(json.dumps(data, indent=2))
+
+
+def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> None:
+    """Plugin route: several sequences, a second call, >10 sequences, prompts split across steps."""
+    run = run_extract(tiny_model, calls, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.data["vllm_dtype"] == "torch.float32"
+    diff = max_diff(run.data["outputs"], calls, reference)
+    _record("max_abs_diff", diff)
+    _record("init_seconds", run.data["init_seconds"])
+    _record("call_seconds", run.data["call_seconds"])
+    _record("applied", sorted(run.data["status"]["applied"]))
+    assert diff < TOLERANCE
+
+
+def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:
+    """VLLM_PLUGINS filters vllm-compat's plugin out: the worker-extension fallback carries the adapters."""
+    run = run_extract(tiny_model, calls[:2], tmp_path, env={"VLLM_PLUGINS": "none"})
+    assert run.returncode == 0, run.stderr
+    assert "worker-extension-fallback" in run.data["status"]["applied"]
+    diff = max_diff(run.data["outputs"], calls[:2], reference)
+    _record("fallback_max_abs_diff", diff)
+    assert diff < TOLERANCE
+
+
+def test_without_vllm_compat_it_breaks(tiny_model, calls, reference, tmp_path) -> None:
+    """The same script without vllm-compat fails or returns wrong states: the adapters do the work."""
+    run = run_extract(tiny_model, calls, tmp_path, compat=False)
+    if run.returncode != 0:
+        last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:]
+        _record("without_compat", f"fails: {last[0] if last else run.returncode}")
+        return
+    try:
+        diff = max_diff(run.data["outputs"], calls, reference)
+    except AssertionError as exc:
+        _record("without_compat", f"wrong results: {exc}")
+        return
+    _record("without_compat", f"max abs diff {diff:.2e}")
+    assert diff >= TOLERANCE, "without vllm-compat the states were right: this release needs no adapter"
