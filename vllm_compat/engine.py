@@ -19,6 +19,7 @@ from typing import Any
 
 import wrapt
 
+from vllm_compat import plugin
 from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, State
@@ -98,6 +99,8 @@ class _Engine:
                 "applied": {k: a.reason for k, a in self.applied.items()},
                 "hooks": sorted(self.hooked),
                 "guarded": self.guard is not None,
+                "plugin_loaded": plugin.loaded,
+                "pid": os.getpid(),
             }
 
     def live_plan(self, probe_ids: Iterable[str] | None = None) -> Plan:

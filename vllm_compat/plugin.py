@@ -14,12 +14,15 @@ import os
 logger = logging.getLogger("vllm_compat")
 
 PLUGIN_NAME = "vllm_compat"
+loaded = False  # whether vLLM's plugin loader ran this entry point in this process
 
 
 def register() -> None:
     """Install vllm-compat in this process if the parent opted in; re-entrant and idempotent."""
+    global loaded
     from vllm_compat.engine import ENV_ACTIVE
 
+    loaded = True
     if os.environ.get(ENV_ACTIVE) != "1":
         return
     import vllm_compat

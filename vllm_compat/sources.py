@@ -32,8 +32,10 @@ def fetch_release(version: str, dest: Path | None = None) -> Path:
     cached = _find_wheel(dest, version)
     if cached:
         return cached
+    # pip matches --platform tags exactly, so name every glibc a vLLM wheel may be tagged for
+    # (vllm 0.21.0 is manylinux_2_24 only, 0.20.0 manylinux_2_35).
     platforms: list[str] = []
-    for tag in ("manylinux1", "manylinux2014", *(f"manylinux_2_{n}" for n in (17, 28, 31, 34, 35))):
+    for tag in ("manylinux1", "manylinux2010", "manylinux2014", *(f"manylinux_2_{n}" for n in range(5, 40))):
         platforms += ["--platform", f"{tag}_x86_64"]
     cmd = [
         sys.executable,

@@ -52,11 +52,12 @@ def main() -> int:
         outputs.append(generator.generate(token_ids))
         call_seconds.append(time.perf_counter() - start)
     vllm_dtype = str(generator.vllm_config.model_config.dtype)
-    status = {}
+    status, workers = {}, []
     if not args.no_compat:
         import vllm_compat
 
         status = vllm_compat.status()
+        workers = generator.executor.collective_rpc(_worker_report)
     generator.executor.shutdown()
 
     import torch
@@ -69,10 +70,20 @@ def main() -> int:
             "call_seconds": call_seconds,
             "vllm_dtype": vllm_dtype,
             "status": status,
+            "workers": workers,
+            "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
         },
         args.out,
     )
     return 0
+
+
+def _worker_report(worker) -> dict:
+    """Runs inside each vLLM worker (collective_rpc with a callable): what vllm-compat did there."""
+    import vllm_compat
+
+    extensions = [f"{c.__module__}.{c.__qualname__}" for c in type(worker).__mro__ if "WorkerExtension" in c.__name__]
+    return {**vllm_compat.status(), "extensions": extensions}
 
 
 def _force_dtype(module, dtype: str) -> None:

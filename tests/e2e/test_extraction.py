@@ -32,14 +32,24 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
     _record("init_seconds", run.data["init_seconds"])
     _record("call_seconds", run.data["call_seconds"])
     _record("applied", sorted(run.data["status"]["applied"]))
+    _record("worker_applied", sorted(run.data["workers"][0]["applied"]))
     assert diff < TOLERANCE
+    # the plugin route: every worker is another process in which the entry point installed vllm-compat
+    assert run.data["workers"], "no worker answered"
+    for worker in run.data["workers"]:
+        assert worker["pid"] != run.data["status"]["pid"]
+        assert worker["plugin_loaded"] and worker["installed"]
+        assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"]
 
 
 def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:
     """VLLM_PLUGINS filters vllm-compat's plugin out: the worker-extension fallback carries the adapters."""
     run = run_extract(tiny_model, calls[:2], tmp_path, env={"VLLM_PLUGINS": "none"})
     assert run.returncode == 0, run.stderr
-    assert "worker-extension-fallback" in run.data["status"]["applied"]
+    assert run.data["worker_extension_cls"] == "vllm_compat.worker.HiddenStatesWorkerExtension"
+    for worker in run.data["workers"]:
+        assert not worker["plugin_loaded"] and worker["installed"]
+        assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"]
     diff = max_diff(run.data["outputs"], calls[:2], reference)
     _record("fallback_max_abs_diff", diff)
     assert diff < TOLERANCE
