@@ -48,6 +48,29 @@ class SampleAfterExecute(Adapter):
         )
 
 
+class SampleTokensInExecute(Adapter):
+    """Give speculators 0.4.0.1 a ``sample_tokens()`` on vLLM 0.11.0.
+
+    What broke: 0.4.0.1 calls ``execute_model()`` then ``sample_tokens(output)``, the two-phase protocol of vLLM
+    0.11.1 and later; on 0.11.0 ``execute_model()`` samples too and there is no ``sample_tokens``.
+    Where fixed: speculators' executor object: ``sample_tokens(output)`` returns the output ``execute_model()``
+    already produced.
+    """
+
+    id = "sample-tokens-in-execute"
+    covers = {"executor.execute_model_protocol": {"single_phase"}}
+    speculators = "==0.4.*"
+    target = GENERATOR_MODULE
+    first_vllm = "0.11.0 (the protocol appeared in 0.11.1)"
+
+    def apply(self, module: ModuleType) -> None:
+        def add_sample_tokens(executor: Any) -> None:
+            if not hasattr(executor, "sample_tokens"):
+                executor.sample_tokens = lambda output=None, *args, **kwargs: output
+
+        self.wrap(module, "MultiprocExecutor", after_construct(add_sample_tokens))
+
+
 class UniqueReplyShape(Adapter):
     """Give speculators the ``collective_rpc(..., unique_reply_rank=0)`` reply shape it was written for.
 

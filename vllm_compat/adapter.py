@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import pkgutil
+import sys
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, ClassVar
@@ -12,7 +14,7 @@ from typing import Any, ClassVar
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from vllm_compat.patching import EnvPatch, Patch, Wrapper, set_attr, set_env, wrap
+from vllm_compat.patching import ItemPatch, Patch, Wrapper, set_attr, set_item, wrap
 
 __all__ = ["Adapter", "load_adapters", "registered_adapters"]
 
@@ -56,7 +58,7 @@ class Adapter:
         _REGISTRY[cls.id] = cls
 
     def __init__(self) -> None:
-        self._patches: list[Patch | EnvPatch] = []
+        self._patches: list[Patch | ItemPatch] = []
         self.reason: str = ""
 
     # -- metadata helpers ------------------------------------------------------------------
@@ -86,7 +88,15 @@ class Adapter:
         self._patches.append(wrap(owner, path, wrapper, f"{self.id}: {_name(owner)}.{path}"))
 
     def set_env(self, name: str, value: str) -> None:
-        self._patches.append(set_env(name, value, f"{self.id}: ${name}"))
+        """Set an environment variable; vLLM's worker processes inherit it."""
+        self._patches.append(set_item(os.environ, name, value, f"{self.id}: ${name}"))
+
+    def set_module(self, name: str, module: ModuleType) -> None:
+        """Register ``module`` as importable under ``name`` (a module vLLM removed or has yet to add)."""
+        self._patches.append(set_item(sys.modules, name, module, f"{self.id}: sys.modules[{name!r}]"))
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            self.set_attr(sys.modules[parent], child, module)
 
     def set_attr(self, owner: Any, name: str, value: Any) -> None:
         self._patches.append(set_attr(owner, name, value, f"{self.id}: {_name(owner)}.{name}"))

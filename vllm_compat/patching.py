@@ -7,14 +7,13 @@ never clobber a patch someone else applied on top (the OpenTelemetry ``unwrap`` 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
-__all__ = ["EnvPatch", "Patch", "set_attr", "set_env", "wrap"]
+__all__ = ["ItemPatch", "Patch", "set_attr", "set_item", "wrap"]
 
 logger = logging.getLogger("vllm_compat")
 _ABSENT = object()
@@ -71,29 +70,31 @@ def set_attr(owner: Any, name: str, value: Any, label: str) -> Patch:
 
 
 @dataclass
-class EnvPatch:
-    """One environment variable set for vLLM's worker processes (they inherit the environment)."""
+class ItemPatch:
+    """One key of a mapping set: an environment variable (``os.environ``) or a ``sys.modules`` entry."""
 
-    name: str
-    original: str | None
-    value: str
+    mapping: Any
+    key: str
+    original: Any  # _ABSENT if the key was not there
+    value: Any
     label: str
 
     def is_current(self) -> bool:
-        return os.environ.get(self.name) == self.value
+        return self.mapping.get(self.key, _ABSENT) is self.value or self.mapping.get(self.key) == self.value
 
     def revert(self) -> bool:
         if not self.is_current():
             logger.warning("not reverting %s: it was changed after vllm-compat set it", self.label)
             return False
-        if self.original is None:
-            os.environ.pop(self.name, None)
+        if self.original is _ABSENT:
+            self.mapping.pop(self.key, None)
         else:
-            os.environ[self.name] = self.original
+            self.mapping[self.key] = self.original
         return True
 
 
-def set_env(name: str, value: str, label: str) -> EnvPatch:
-    original = os.environ.get(name)
-    os.environ[name] = value
-    return EnvPatch(name, original, value, label)
+def set_item(mapping: Any, key: str, value: Any, label: str) -> ItemPatch:
+    """Set ``mapping[key] = value``, remembering what was there."""
+    original = mapping.get(key, _ABSENT)
+    mapping[key] = value
+    return ItemPatch(mapping, key, original, value, label)
