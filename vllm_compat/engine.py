@@ -150,6 +150,9 @@ class _Engine:
                 f"vllm-compat adapter {cls.id} could not patch {module.__name__}: {exc}. "
                 "Run `vllm-compat probe` and report the output."
             ) from exc
+        if not adapter.applied:
+            logger.debug("vllm-compat adapter %s found nothing to patch", cls.id)
+            return
         self.applied[cls.id] = adapter
         logger.info("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)
 
