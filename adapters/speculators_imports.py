@@ -40,10 +40,10 @@ class AttentionMaskUtilsShim(Adapter):
     What broke: transformers 5 removed ``modeling_attn_mask_utils``; ``speculators/models/eagle.py`` (the EAGLE-1
     model, imported by ``import speculators``) imports ``_prepare_4d_causal_attention_mask`` from it at module level,
     so ``import speculators`` fails with ModuleNotFoundError on any vLLM that pins transformers 5 (0.24 and later).
-    Where fixed: a stand-in module registered only while speculators' package imports (from
-    ``speculators.utils.pydantic_utils``, loaded early), so other libraries do not see
-    it: it is withdrawn as soon as ``speculators.models.eagle`` has imported. The stand-in function raises a clear error if the EAGLE-1 model ever calls it; EAGLE-3 extraction and
-    training do not.
+    Where fixed: a stand-in module, registered when ``speculators.utils.pydantic_utils`` (loaded early in
+    speculators' import) is imported and withdrawn as soon as ``speculators.models.eagle`` has imported it, so other
+    libraries do not see it. The stand-in function raises a clear error if the EAGLE-1 model ever calls it; EAGLE-3
+    extraction and training do not.
     """
 
     id = "transformers-attn-mask-utils"
