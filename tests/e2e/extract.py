@@ -82,7 +82,9 @@ def _worker_report(worker) -> dict:
     """Runs inside each vLLM worker (collective_rpc with a callable): what vllm-compat did there."""
     import vllm_compat
 
-    extensions = [f"{c.__module__}.{c.__qualname__}" for c in type(worker).__mro__ if "WorkerExtension" in c.__name__]
+    inner = getattr(worker, "worker", None)  # some releases hand the callable the wrapper around the worker
+    classes = [*type(worker).__mro__, *(type(inner).__mro__ if inner is not None else ())]
+    extensions = sorted({f"{c.__module__}.{c.__qualname__}" for c in classes if "WorkerExtension" in c.__name__})
     return {**vllm_compat.status(), "extensions": extensions}
 
 

@@ -39,7 +39,7 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
     for worker in run.data["workers"]:
         assert worker["pid"] != run.data["status"]["pid"]
         assert worker["plugin_loaded"] and worker["installed"]
-        assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"]
+        assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"], worker
 
 
 def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:
@@ -49,7 +49,7 @@ def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_pat
     assert run.data["worker_extension_cls"] == "vllm_compat.worker.HiddenStatesWorkerExtension"
     for worker in run.data["workers"]:
         assert not worker["plugin_loaded"] and worker["installed"]
-        assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"]
+        assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"], worker
     diff = max_diff(run.data["outputs"], calls[:2], reference)
     _record("fallback_max_abs_diff", diff)
     assert diff < TOLERANCE
