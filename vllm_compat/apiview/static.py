@@ -125,7 +125,7 @@ class StaticView:
                 text = self._reader.read(f"{name}/METADATA") or ""
                 found = re.search(r"^Version:\s*(\S+)", text, re.M)
                 if found:
-                    return found.group(1)
+                    return found.group(1).split("+")[0]  # "0.17.0+cpu" -> "0.17.0", as installed_version()
         text = self._reader.read(f"{self.package}/_version.py") or ""
         found = re.search(r"""^(?:__version__|version)\s*(?::[^=]+)?=\s*['"]([^'"]+)['"]""", text, re.M)
         return found.group(1) if found else None
