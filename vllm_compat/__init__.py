@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 
+from vllm_compat import engine as _engine_module
 from vllm_compat._version import __version__
-from vllm_compat.engine import ENV_DISABLE, engine
 from vllm_compat.errors import AdapterError, SourceError, UnhandledDrift, VllmCompatError
 
 __all__ = [
@@ -34,18 +34,18 @@ def install(strict: bool = False) -> None:
     With ``strict=True`` the installed vLLM is probed at once and :class:`UnhandledDrift` is raised
     if any drift is not covered; otherwise that error is raised when the generator is constructed.
     """
-    engine.install(strict=strict)
+    _engine_module.engine.install(strict=strict)
 
 
 def uninstall() -> None:
     """Revert every patch vllm-compat applied in this process (the originals come back)."""
-    engine.uninstall()
+    _engine_module.engine.uninstall()
 
 
 def status() -> dict[str, object]:
     """What is installed and applied in this process, and why each adapter was applied."""
-    return engine.status()
+    return _engine_module.engine.status()
 
 
-if os.environ.get(ENV_DISABLE, "").strip().lower() not in {"1", "true", "yes", "on"}:
+if os.environ.get(_engine_module.ENV_DISABLE, "").strip().lower() not in {"1", "true", "yes", "on"}:
     install()

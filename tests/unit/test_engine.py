@@ -1,0 +1,181 @@
+"""The patch engine's lifecycle, on a throwaway target module and a throwaway adapter and probe."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from vllm_compat import adapter as adapter_module
+from vllm_compat import engine as engine_module
+from vllm_compat import findings as findings_module
+from vllm_compat import plugin
+from vllm_compat.adapter import Adapter
+from vllm_compat.errors import UnhandledDrift
+from vllm_compat.findings import Observation, probe
+
+TARGET = "vc_test_target"
+APPLY_CALLS: list[str] = []
+
+
+def original(x: int) -> int:
+    return x
+
+
+@pytest.fixture()
+def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Fresh engine, registries holding only the test adapter and probe, and speculators 0.4.0.1 'installed'."""
+    monkeypatch.setattr(adapter_module, "_REGISTRY", {})
+    monkeypatch.setattr(findings_module, "_REGISTRY", {})
+    monkeypatch.setattr(adapter_module, "load_adapters", lambda: adapter_module._REGISTRY)
+    monkeypatch.setattr(engine_module, "load_adapters", lambda: adapter_module._REGISTRY)
+    monkeypatch.setattr("vllm_compat.plan.load_adapters", lambda: adapter_module._REGISTRY)
+    monkeypatch.setattr("vllm_compat.plan.load_probes", lambda: findings_module._REGISTRY)
+    monkeypatch.setattr(engine_module, "load_probes", lambda: findings_module._REGISTRY)
+    fresh = engine_module._Engine()
+    monkeypatch.setattr(engine_module, "engine", fresh)
+    monkeypatch.setattr(
+        engine_module, "installed_version", lambda name: Version("0.4.0.1") if name == "speculators" else None
+    )
+    monkeypatch.setenv("VLLM_COMPAT_ACTIVE", "")
+    state = {"variant": "renamed"}
+
+    @probe("test.fake", symbol="vc_test_target.thing", summary="a fact", expected={"0.4.0.1": "the old name"})
+    def fake(view) -> Observation:
+        return Observation(state["variant"], f"variant {state['variant']}", ("vc_test_target.py:1",))
+
+    class FakeAdapter(Adapter):
+        """Wraps vc_test_target.thing so it doubles its result."""
+
+        id = "test-fake"
+        covers = {"test.fake": {"renamed"}}
+        target = TARGET
+
+        def apply(self, module: types.ModuleType) -> None:
+            APPLY_CALLS.append(self.id)
+            self.wrap(module, "thing", lambda wrapped, instance, args, kwargs: 2 * wrapped(*args, **kwargs))
+
+    (tmp_path / f"{TARGET}.py").write_text("def thing(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    APPLY_CALLS.clear()
+    yield fresh, state
+    fresh.uninstall()
+    sys.modules.pop(TARGET, None)
+
+
+def test_install_then_import_applies_once(sandbox) -> None:
+    engine, _ = sandbox
+    engine.install()
+    engine.install()
+    import vc_test_target
+
+    assert vc_test_target.thing(3) == 6
+    engine.install()
+    assert APPLY_CALLS == ["test-fake"]
+    assert "test-fake" in engine.status()["applied"]
+
+
+def test_import_then_install_applies_at_once(sandbox) -> None:
+    engine, _ = sandbox
+    import vc_test_target
+
+    before = vc_test_target.thing
+    engine.install()
+    assert vc_test_target.thing(3) == 6
+    engine.uninstall()
+    assert vc_test_target.thing is before  # the very same object comes back
+    engine.install()
+    assert vc_test_target.thing(3) == 6
+    assert APPLY_CALLS == ["test-fake", "test-fake"]
+
+
+def test_uninstall_without_install_is_harmless(sandbox) -> None:
+    engine, _ = sandbox
+    engine.uninstall()
+    assert engine.status()["installed"] is False
+
+
+def test_baseline_means_no_patch(sandbox) -> None:
+    engine, state = sandbox
+    state["variant"] = "baseline"
+    engine.install()
+    import vc_test_target
+
+    assert vc_test_target.thing(3) == 3
+    assert APPLY_CALLS == []
+
+
+def test_unknown_drift_fails_closed_in_strict_mode(sandbox) -> None:
+    engine, state = sandbox
+    state["variant"] = "something-new"
+    with pytest.raises(UnhandledDrift) as caught:
+        engine.install(strict=True)
+    message = str(caught.value)
+    assert "test.fake" in message and "vc_test_target.thing" in message and "vllm-compat probe" in message
+
+
+def test_guard_stops_the_generator_before_it_loads(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, state = sandbox
+    state["variant"] = "something-new"
+    built: list[str] = []
+
+    class VllmHiddenStatesGenerator:
+        def __init__(self, model_path: str) -> None:
+            built.append(model_path)
+
+    fake = types.ModuleType(engine_module.GUARD_MODULE)
+    fake.VllmHiddenStatesGenerator = VllmHiddenStatesGenerator
+    monkeypatch.setitem(sys.modules, engine_module.GUARD_MODULE, fake)
+    engine.install()
+    with pytest.raises(UnhandledDrift, match="before the model loads"):
+        fake.VllmHiddenStatesGenerator("model")
+    assert built == []
+    state["variant"] = "renamed"
+    engine.observations.clear()
+    fake.VllmHiddenStatesGenerator("model")
+    assert built == ["model"]
+
+
+def test_install_from_two_threads_applies_each_patch_once(sandbox) -> None:
+    engine, _ = sandbox
+    import vc_test_target
+
+    barrier = threading.Barrier(2)
+
+    def go() -> None:
+        barrier.wait()
+        engine.install()
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert APPLY_CALLS == ["test-fake"]
+    assert vc_test_target.thing(3) == 6
+
+
+def test_plugin_is_a_no_op_unless_the_parent_opted_in(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, _ = sandbox
+    monkeypatch.delenv("VLLM_COMPAT_ACTIVE", raising=False)
+    plugin.register()
+    assert engine.status()["installed"] is False
+    monkeypatch.setenv("VLLM_COMPAT_ACTIVE", "1")
+    plugin.register()
+    plugin.register()  # loaded twice in one process (fork, then the loader again): still one install
+    assert engine.status()["installed"] is True
+    assert engine.status()["plugin_loaded"] is True
+
+
+def test_install_sets_the_variable_workers_inherit(sandbox) -> None:
+    engine, _ = sandbox
+    engine.install()
+    import os
+
+    assert os.environ["VLLM_COMPAT_ACTIVE"] == "1"
+    engine.uninstall()
+    assert "VLLM_COMPAT_ACTIVE" not in os.environ
