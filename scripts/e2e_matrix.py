@@ -186,6 +186,8 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
     report = work / f"report-{cell.speculators}-{cell.vllm}.json"
     report.unlink(missing_ok=True)
     env["VLLM_COMPAT_E2E_REPORT"] = str(report)
+    # --import-mode=append: the installed vllm_compat (with vllm_compat.probes/.adapters) must win over the source
+    # folder of the same name in the checkout, which pytest would otherwise put first on sys.path.
     done = run(
         [
             str(venv / "bin" / "python"),
@@ -195,6 +197,7 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
             "-q",
             "-p",
             "no:cacheprovider",
+            "--import-mode=append",
             "--basetemp",
             str(work / "pytest"),
         ],
