@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_compat.apiview import Location, Param, Source, split_dotted
-from vllm_compat.apiview.static import _class_body_binding, _first_line
+from vllm_compat.apiview._ast import class_body_binding, first_line
 from vllm_compat.versions import installed_version
 
 __all__ = ["LiveView"]
@@ -57,7 +57,7 @@ class LiveView:
             file, start = _file_line(owner)
             kind = "function" if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else "attribute"
             kind = "class" if isinstance(node, ast.ClassDef) else kind
-            line = start + _first_line(node) - 1 if start is not None else None
+            line = start + first_line(node) - 1 if start is not None else None
             return Location(owner.__module__, f"{owner.__qualname__}.{dotted.rsplit('.', 1)[1]}", kind, file, line)
         obj, module, qual = self._lookup(dotted)
         if obj is _MISSING:
@@ -99,7 +99,7 @@ class LiveView:
             segment = ast.get_source_segment(text, node, padded=True)
             if segment is None:
                 return None
-            line = start + _first_line(node) - 1 if start is not None else None
+            line = start + first_line(node) - 1 if start is not None else None
             return Source(text=textwrap.dedent(segment), file=file, line=line)
         obj, _, _ = self._lookup(dotted)
         if obj is _MISSING:
@@ -147,7 +147,7 @@ class LiveView:
             node = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
             if node is None:
                 continue
-            found = _class_body_binding(node, name)
+            found = class_body_binding(node, name)
             if found is not None:
                 return cls, found, text
         return None

@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from vllm_compat.apiview import Location, Param, Source, split_dotted
+from vllm_compat.apiview._ast import class_body_binding, first_line, target_binds
 
 __all__ = ["StaticSourceError", "StaticView"]
 
@@ -161,7 +162,7 @@ class StaticView:
         segment = ast.get_source_segment(text, found.node, padded=True)
         if segment is None:
             return None
-        start = _first_line(found.node)
+        start = first_line(found.node)
         return Source(text=textwrap.dedent(segment), file=self._module_file(found.module), line=start)
 
     def members(self, dotted: str) -> frozenset[str] | None:
@@ -253,7 +254,7 @@ class StaticView:
 
     def _class_member(self, cls: _Def, attr: str, hops: int) -> _Def | None:
         for owner in self._mro(cls, hops):
-            node = _class_body_binding(owner.node, attr)  # type: ignore[arg-type]
+            node = class_body_binding(owner.node, attr)  # type: ignore[arg-type]
             if node is not None:
                 return _Def(owner.module, node, f"{owner.qualname}.{attr}")
         return None
@@ -300,7 +301,7 @@ class StaticView:
         mro = self._mro(cls, hops)
         for owner in mro:
             assert isinstance(owner.node, ast.ClassDef)
-            init = _class_body_binding(owner.node, "__init__")
+            init = class_body_binding(owner.node, "__init__")
             if isinstance(init, ast.FunctionDef | ast.AsyncFunctionDef):
                 return _function_params(init)[1:]
             if _is_dataclass(owner.node) or _is_struct(owner.node):
@@ -349,15 +350,10 @@ class StaticView:
             kind = "function"
         else:
             kind = "attribute"
-        return Location(found.module, found.qualname, kind, self._module_file(found.module), _first_line(node))
+        return Location(found.module, found.qualname, kind, self._module_file(found.module), first_line(node))
 
 
 # -- AST helpers (pure functions) ------------------------------------------------------------
-def _first_line(node: ast.AST) -> int | None:
-    decorators = getattr(node, "decorator_list", None)
-    if decorators:
-        return min(d.lineno for d in decorators)
-    return getattr(node, "lineno", None)
 
 
 def _top_level_statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
@@ -386,17 +382,9 @@ def _binds(stmt: ast.stmt, name: str) -> bool:
     if isinstance(stmt, ast.Import):
         return any((a.asname or a.name.split(".")[0]) == name for a in stmt.names)
     if isinstance(stmt, ast.Assign):
-        return any(_target_binds(t, name) for t in stmt.targets)
+        return any(target_binds(t, name) for t in stmt.targets)
     if isinstance(stmt, ast.AnnAssign):
-        return stmt.value is not None and _target_binds(stmt.target, name)
-    return False
-
-
-def _target_binds(target: ast.expr, name: str) -> bool:
-    if isinstance(target, ast.Name):
-        return target.id == name
-    if isinstance(target, ast.Tuple | ast.List):
-        return any(_target_binds(e, name) for e in target.elts)
+        return stmt.value is not None and target_binds(stmt.target, name)
     return False
 
 
@@ -488,18 +476,6 @@ def _class_body_names(node: ast.ClassDef) -> set[str]:
         elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
             names.add(stmt.target.id)
     return names
-
-
-def _class_body_binding(node: ast.ClassDef, attr: str) -> ast.stmt | None:
-    found = None
-    for stmt in node.body:
-        if (
-            (isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and stmt.name == attr)
-            or (isinstance(stmt, ast.Assign) and any(_target_binds(t, attr) for t in stmt.targets))
-            or (isinstance(stmt, ast.AnnAssign) and _target_binds(stmt.target, attr))
-        ):
-            found = stmt
-    return found
 
 
 def _is_dataclass(node: ast.AST) -> bool:
