@@ -1,11 +1,17 @@
-"""The ``vllm-compat`` command: ``probe`` reports drift; exit codes make it a CI guard."""
+"""The ``vllm-compat`` command: ``probe`` reports drift (exit codes make it a CI guard); ``run`` runs a command with
+vllm-compat active in every Python process it starts."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from vllm_compat.errors import SourceError
 from vllm_compat.versions import SPECULATORS_LINES, installed_version, speculators_line
@@ -13,6 +19,8 @@ from vllm_compat.versions import SPECULATORS_LINES, installed_version, speculato
 __all__ = ["main"]
 
 EXIT_OK, EXIT_DRIFT, EXIT_USAGE = 0, 1, 2
+EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND = 126, 127  # as POSIX shells report a command they cannot start
+BOOTSTRAP = Path(__file__).resolve().parent / "_bootstrap"  # holds the sitecustomize that `run` puts on PYTHONPATH
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +52,19 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="print the JSON report (docs/json-report.md)")
     probe.add_argument("--strict", action="store_true", help="count unknown findings as unhandled")
     probe.add_argument("-v", "--verbose", action="store_true", help="show details of baseline facts too")
+    run = sub.add_parser(
+        "run",
+        help="run a command with vllm-compat active in it and in every Python process it starts",
+        usage="vllm-compat run [--strict] -- COMMAND [ARGS...]",
+        description=(
+            "Runs COMMAND (e.g. `python data_generation_offline.py ...`) unchanged, with vllm-compat installed at "
+            "start-up of every Python interpreter it starts, children included: a bootstrap sitecustomize is put "
+            "first on PYTHONPATH (an existing sitecustomize still runs). Exits with COMMAND's exit code "
+            "(126/127 if it cannot be started)."
+        ),
+    )
+    run.add_argument("--strict", action="store_true", help="stop at start-up (exit 1) on drift no adapter covers")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --")
     return parser
 
 
@@ -69,6 +90,51 @@ def _probe(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.passes(args.strict) else EXIT_DRIFT
 
 
+def run_environment(environ: dict[str, str] | None = None, strict: bool = False) -> dict[str, str]:
+    """The environment ``vllm-compat run`` gives its command: the bootstrap folder first on PYTHONPATH (once)."""
+    from vllm_compat.engine import ENV_STRICT
+
+    env = dict(os.environ if environ is None else environ)
+    folder = str(BOOTSTRAP)
+    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and os.path.abspath(e) != folder]
+    env["PYTHONPATH"] = os.pathsep.join([folder, *entries])
+    if strict:
+        env[ENV_STRICT] = "1"
+    return env
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("vllm-compat run: no command given; usage: vllm-compat run -- python script.py ARGS...", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        child = subprocess.Popen(command, env=run_environment(strict=args.strict))
+    except FileNotFoundError:
+        print(f"vllm-compat run: command not found: {command[0]}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except PermissionError:
+        print(f"vllm-compat run: permission denied: {command[0]}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+
+    def forward(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+        for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+            if hasattr(signal, name):
+                previous[getattr(signal, name)] = signal.signal(getattr(signal, name), forward)
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as shells report it
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     try:
@@ -79,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "probe":
             return _probe(args)
+        if args.command == "run":
+            return _run(args)
     except SourceError as exc:
         print(f"vllm-compat: {exc}", file=sys.stderr)
         return EXIT_USAGE

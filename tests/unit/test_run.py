@@ -1,0 +1,220 @@
+"""``vllm-compat run`` and ``VLLM_COMPAT_AUTO``: vllm-compat active in an unchanged script and its Python children.
+
+Every test starts real interpreters: ``python -m vllm_compat.cli run -- python script.py``, as a user would.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm_compat.cli as cli
+
+ROOT = Path(__file__).resolve().parents[2]
+PTH = ROOT / "vllm_compat" / "_bootstrap" / "vllm_compat_auto.pth"
+
+# A user's script that knows nothing of vllm-compat: it reports whether vllm-compat is active in itself and in a
+# Python child it starts, and how often each process ran the environment's own sitecustomize.
+SCRIPT = """
+import json, os, subprocess, sys
+
+CHILD = (
+    "import json, os, sys; m = sys.modules.get('vllm_compat'); "
+    "print(json.dumps({'active': bool(m and m.status()['installed']), 'pid': os.getpid(), "
+    "'user_site': os.environ.get('USER_SITE_RUNS', '0')}))"
+)
+
+def me():
+    m = sys.modules.get("vllm_compat")
+    return {"active": bool(m and m.status()["installed"]), "pid": os.getpid(),
+            "user_site": os.environ.get("USER_SITE_RUNS", "0"), "strict": os.environ.get("VLLM_COMPAT_STRICT")}
+
+child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True)
+print(json.dumps({"script": me(), "child": json.loads(child.stdout)}))
+sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+# An environment's own sitecustomize: counts its runs per process in an environment variable.
+USER_SITECUSTOMIZE = """
+import os
+os.environ["USER_SITE_RUNS"] = str(int(os.environ.get("USER_SITE_RUNS_SELF", "0")) + 1)
+os.environ["USER_SITE_RUNS_SELF"] = os.environ["USER_SITE_RUNS"]
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_COMPAT_", "USER_SITE_RUNS"))}
+    env.pop("PYTHONPATH", None)
+    env.update(extra)
+    return env
+
+
+def vllm_compat_run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "vllm_compat.cli", "run", *args]
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+
+
+def report(done: subprocess.CompletedProcess[str]) -> dict:
+    import json
+
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no report; rc={done.returncode}\nstdout={done.stdout}\nstderr={done.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "user_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+@pytest.fixture
+def user_site(tmp_path: Path) -> Path:
+    folder = tmp_path / "user_site"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(USER_SITECUSTOMIZE)
+    return folder
+
+
+def test_script_and_its_python_child_are_active(script: Path, tmp_path: Path) -> None:
+    done = vllm_compat_run(["--", sys.executable, str(script)], clean_env(), tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = report(done)
+    assert got["script"]["active"] and got["child"]["active"]
+    assert got["script"]["pid"] != got["child"]["pid"]
+    assert got["script"]["strict"] is None
+    assert "vllm-compat bootstrap" not in done.stderr
+
+
+def test_without_run_nothing_is_active(script: Path, tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(script)], env=clean_env(), capture_output=True, text=True, check=False)
+    got = report(done)
+    assert not got["script"]["active"] and not got["child"]["active"]
+
+
+def test_exit_code_is_the_commands(script: Path, tmp_path: Path) -> None:
+    assert vllm_compat_run(["--", sys.executable, str(script), "7"], clean_env(), tmp_path).returncode == 7
+    killed = vllm_compat_run(
+        ["--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"], clean_env(), tmp_path
+    )
+    assert killed.returncode == 128 + signal.SIGTERM
+
+
+def test_the_environments_sitecustomize_still_runs_once(script: Path, user_site: Path, tmp_path: Path) -> None:
+    env = clean_env(PYTHONPATH=str(user_site))
+    got = report(vllm_compat_run(["--", sys.executable, str(script)], env, tmp_path))
+    assert got["script"]["active"] and got["child"]["active"]
+    # each process adds its own run to the count it inherited: the vllm-compat process 1, the script 2, its child 3
+    assert (got["script"]["user_site"], got["child"]["user_site"]) == ("2", "3")
+
+
+def test_no_recursion_when_nested_or_listed_twice(script: Path, user_site: Path, tmp_path: Path) -> None:
+    bootstrap = str(cli.BOOTSTRAP)
+    env = clean_env(PYTHONPATH=os.pathsep.join([bootstrap, str(user_site), bootstrap]))
+    nested = ["--", sys.executable, "-m", "vllm_compat.cli", "run", "--", sys.executable, str(script)]
+    done = vllm_compat_run(nested, env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    got = report(done)
+    assert got["script"]["active"] and got["child"]["active"]
+    # one run per process: the outer and the inner vllm-compat process, the script, its child
+    assert (got["script"]["user_site"], got["child"]["user_site"]) == ("3", "4")
+    assert cli.run_environment(env)["PYTHONPATH"].split(os.pathsep).count(bootstrap) == 1
+
+
+def test_a_failing_sitecustomize_is_reported_and_the_script_runs(script: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken_site"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text("raise RuntimeError('broken on purpose')\n")
+    done = vllm_compat_run(["--", sys.executable, str(script)], clean_env(PYTHONPATH=str(broken)), tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "broken on purpose" in done.stderr
+    assert report(done)["script"]["active"]
+
+
+def test_disable_and_strict_are_passed_on(script: Path, tmp_path: Path) -> None:
+    got = report(vllm_compat_run(["--", sys.executable, str(script)], clean_env(VLLM_COMPAT_DISABLE="1"), tmp_path))
+    assert not got["script"]["active"] and not got["child"]["active"]
+    strict = vllm_compat_run(["--strict", "--", sys.executable, str(script)], clean_env(), tmp_path)
+    if importlib.util.find_spec("vllm") is None:
+        # nothing can be established about an absent vLLM: strict fails closed before the script runs
+        assert strict.returncode == 1 and not strict.stdout
+        assert "vLLM API drift that vllm-compat does not cover" in strict.stderr
+    else:
+        assert report(strict)["script"]["strict"] == "1"
+
+
+def test_usage_errors(tmp_path: Path, capsys) -> None:
+    assert cli.main(["run"]) == cli.EXIT_USAGE
+    assert cli.main(["run", "--"]) == cli.EXIT_USAGE
+    assert cli.main(["run", "--", str(tmp_path / "no-such-command")]) == cli.EXIT_NOT_FOUND
+    not_executable = tmp_path / "plain.txt"
+    not_executable.write_text("")
+    assert cli.main(["run", "--", str(not_executable)]) == cli.EXIT_NOT_EXECUTABLE
+    assert "command not found" in capsys.readouterr().err
+
+
+# -- VLLM_COMPAT_AUTO: the .pth start-up hook --------------------------------------------------------------------
+AUTO_CHECK = """
+import json, site, sys
+site.addsitedir(sys.argv[1])  # processes the .pth exactly as start-up does for site-packages
+m = sys.modules.get("vllm_compat")
+print(json.dumps({"imported": m is not None, "active": bool(m and m.status()["installed"])}))
+"""
+
+
+@pytest.mark.parametrize(("value", "active"), [("1", True), ("", False), ("0", False)])
+def test_auto_pth_acts_only_when_asked(tmp_path: Path, value: str, active: bool) -> None:
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    shutil.copy(PTH, site_dir)
+    env = clean_env(VLLM_COMPAT_AUTO=value)
+    done = subprocess.run(
+        [sys.executable, "-c", AUTO_CHECK, str(site_dir)], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert report(done) == {"imported": active, "active": active}
+
+
+def test_auto_pth_reports_a_failed_import(tmp_path: Path) -> None:
+    site_dir = tmp_path / "site-packages"
+    site_dir.mkdir()
+    (site_dir / PTH.name).write_text(PTH.read_text().replace("import vllm_compat", "import vllm_compat_missing"))
+    done = subprocess.run(
+        [sys.executable, "-c", AUTO_CHECK, str(site_dir)],
+        env=clean_env(VLLM_COMPAT_AUTO="1"),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0
+    assert "VLLM_COMPAT_AUTO is set but vllm_compat could not be imported" in done.stderr
+
+
+def test_the_build_puts_the_pth_at_the_top_of_site_packages(tmp_path: Path) -> None:
+    """setup.py's build_py copies the .pth to the build root, which becomes the wheel's (site-packages') top."""
+    pytest.importorskip("setuptools")
+    build = tmp_path / "lib"
+    done = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (build / PTH.name).read_text() == PTH.read_text()
+    assert (build / "vllm_compat" / "_bootstrap" / "sitecustomize.py").exists()
+
+
+def test_the_pth_line_is_one_import_statement() -> None:
+    """site.py executes only lines that start with ``import``; anything else would be taken for a path."""
+    lines = [ln for ln in PTH.read_text().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("import ")
