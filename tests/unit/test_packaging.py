@@ -52,7 +52,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert {t for t in tops if not t.endswith(".pth")} == {"vllm_compat"}  # a .pth start-up hook may sit beside it
+    # beside the package: the pytest plugin module (top-level so that loading it imports nothing) and a .pth hook
+    assert {t for t in tops if not t.endswith(".pth")} <= {"vllm_compat", "pytest_vllm_compat.py"}
+    assert not tops & {"adapters", "probes"}
     assert "vllm_compat/adapters/kv_cache.py" in names and "vllm_compat/probes/config.py" in names
     meta = next(n for n in names if n.endswith("METADATA"))
     requires = [ln for ln in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if ln.startswith("Requires-Dist")]
