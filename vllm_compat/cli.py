@@ -68,20 +68,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _probe(args: argparse.Namespace) -> int:
+def probe_plan(source: str | None, speculators: str | None = None):
+    """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM) judged for ``speculators``
+    (None: the installed speculators' line, or both lines). Raises SourceError when there is nothing to probe."""
     from vllm_compat.plan import make_plan
-    from vllm_compat.report import render_json, render_table
     from vllm_compat.sources import open_view
 
+    if speculators is not None and speculators not in SPECULATORS_LINES:
+        raise SourceError(f"unknown speculators line {speculators!r}; choose one of {', '.join(SPECULATORS_LINES)}")
+    installed = speculators_line(installed_version("speculators"))
+    lines: tuple[str, ...] = (speculators,) if speculators else (installed,) if installed else tuple(SPECULATORS_LINES)
+    return make_plan(open_view(source), lines)
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from vllm_compat.report import render_json, render_table
+
     installed = installed_version("speculators")
-    if args.speculators:
-        lines: tuple[str, ...] = (args.speculators,)
-    elif speculators_line(installed):
-        lines = (speculators_line(installed),)  # type: ignore[assignment]
-    else:
-        lines = tuple(SPECULATORS_LINES)
-    view = open_view(args.source)
-    plan = make_plan(view, lines)
+    plan = probe_plan(args.source, args.speculators)
     if args.json:
         print(render_json(plan, str(installed) if installed and not args.speculators else None, args.strict))
     else:
