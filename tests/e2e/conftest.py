@@ -96,7 +96,13 @@ class Extraction:
 
 
 def run_extract(
-    model: Path, calls: list[list[list[int]]], tmp: Path, *, compat: bool = True, env: dict[str, str] | None = None
+    model: Path,
+    calls: list[list[list[int]]],
+    tmp: Path,
+    *,
+    compat: bool = True,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> Extraction:
     """Run tests/e2e/extract.py in a fresh interpreter, as a user's script would run."""
     calls_file = tmp / "calls.json"
@@ -116,6 +122,7 @@ def run_extract(
         "--dtype",
         "float32",
     ]
+    cmd += extra_args or []
     if not compat:
         cmd.append("--no-compat")
     full_env = {

@@ -27,6 +27,7 @@ def main() -> int:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--no-compat", action="store_true", help="do not import vllm_compat")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
 
     t0 = time.perf_counter()
@@ -43,7 +44,7 @@ def main() -> int:
         calls = json.load(f)
     t_import = time.perf_counter()
     generator = gen_module.VllmHiddenStatesGenerator(
-        model_path=args.model, layer_ids=layer_ids, max_model_len=args.max_model_len
+        model_path=args.model, layer_ids=layer_ids, max_model_len=args.max_model_len, tensor_parallel_size=args.tp
     )
     t_init = time.perf_counter()
     outputs, call_seconds = [], []

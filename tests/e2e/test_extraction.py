@@ -69,3 +69,20 @@ def test_without_vllm_compat_it_breaks(tiny_model, calls, reference, tmp_path) -
         return
     _record("without_compat", f"max abs diff {diff:.2e}")
     assert diff >= TOLERANCE, "without vllm-compat the states were right: this release needs no adapter"
+
+
+def test_tensor_parallel_2(tiny_model, calls, reference, tmp_path) -> None:
+    """tensor_parallel_size=2: both workers get the adapters, rank 0 captures, states still match transformers."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two CPU cores for two CPU workers")
+    # vLLM's CPU workers bind their threads to NUMA nodes; with one node, name one core per rank instead
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+    run = run_extract(tiny_model, calls[:2], tmp_path, env=env, extra_args=["--tp", "2"])
+    assert run.returncode == 0, run.stderr
+    assert len(run.data["workers"]) == 2
+    assert all(w["plugin_loaded"] and w["installed"] for w in run.data["workers"])
+    assert len({w["pid"] for w in run.data["workers"]}) == 2
+    diff = max_diff(run.data["outputs"], calls[:2], reference)
+    _record("tp2_max_abs_diff", diff)
+    assert diff < TOLERANCE
