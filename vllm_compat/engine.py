@@ -23,7 +23,7 @@ from vllm_compat import plugin
 from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, State
-from vllm_compat.patching import Patch, wrap
+from vllm_compat.patching import Patch, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.versions import installed_version, speculators_line
 
@@ -51,6 +51,7 @@ class _Engine:
         self.applied: dict[str, Adapter] = {}
         self.observations: dict[str, Observation] = {}
         self.guard: Patch | None = None
+        self.name_guards: dict[str, Patch] = {}
         self._view: Any = None
 
     # -- public API --------------------------------------------------------------------------
@@ -63,7 +64,7 @@ class _Engine:
             self.strict = strict or _truthy(os.environ.get(ENV_STRICT))
             if not already:
                 logger.debug("vllm-compat installed (strict=%s)", self.strict)
-            for target in sorted({a.target for a in adapters.values()} | {GUARD_MODULE}):
+            for target in sorted({a.target for a in adapters.values()} | {GUARD_MODULE} | set(_imported_names())):
                 if target not in self.hooked:
                     self.hooked.add(target)
                     wrapt.register_post_import_hook(self._on_import, target)  # fires now if imported
@@ -82,6 +83,9 @@ class _Engine:
             if self.guard is not None:
                 self.guard.revert()
                 self.guard = None
+            for guard in self.name_guards.values():
+                guard.revert()
+            self.name_guards.clear()
             self.installed = False
             self.observations.clear()
             self._view = None
@@ -129,6 +133,32 @@ class _Engine:
             for cls in load_adapters().values():
                 if cls.target == module.__name__ and cls.id not in self.applied:
                     self._maybe_apply(cls, module, line)
+            self._guard_missing_names(module, line)
+
+    def _guard_missing_names(self, module: ModuleType, line: str) -> None:
+        """Make ``from module import NAME`` raise UnhandledDrift, not a bare ImportError, for names no adapter restored.
+
+        speculators binds vLLM names at import time, so the import statement is the first call a moved or removed
+        name affects. A module ``__getattr__`` (PEP 562) answers for the missing names only.
+        """
+        missing = {}
+        for probe_id, name in _imported_names().get(module.__name__, ()):
+            if not hasattr(module, name):
+                finding = self._finding(probe_id, line)
+                if finding is not None and not finding.handled:
+                    missing[name] = finding
+        if not missing or module.__name__ in self.name_guards:
+            return
+        previous = module.__dict__.get("__getattr__")
+
+        def __getattr__(attr: str) -> Any:
+            if attr in missing:
+                raise UnhandledDrift([missing[attr]], where=f"from {module.__name__} import {attr}")
+            if previous is not None:
+                return previous(attr)
+            raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
+
+        self.name_guards[module.__name__] = set_attr(module, "__getattr__", __getattr__, "missing-name guard")
 
     def _maybe_apply(self, cls: type[Adapter], module: ModuleType, line: str) -> None:
         if not cls.serves(line):
@@ -190,4 +220,25 @@ class _Engine:
             raise UnhandledDrift(plan.unhandled, where=where)
 
 
+def _imported_names() -> dict[str, list[tuple[str, str]]]:
+    """vLLM module -> (probe id, name) for every ``from vllm... import name`` a probe watches."""
+    names: dict[str, list[tuple[str, str]]] = {}
+    for probe in load_probes().values():
+        if probe.id.startswith("import."):
+            module, _, name = probe.symbol.rpartition(".")
+            names.setdefault(module, []).append((probe.id, name))
+    return names
+
+
 engine = _Engine()
+
+
+def _fresh_lock_in_forked_child() -> None:
+    """A forked child (a vLLM worker under the fork start method) starts with only the forking thread. If another
+    thread held the engine lock at that moment, the child's copy would stay locked forever and the plugin's
+    ``install()`` would deadlock there; the child gets a fresh lock over the state it inherited."""
+    engine.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_forked_child)
