@@ -179,3 +179,22 @@ def test_install_sets_the_variable_workers_inherit(sandbox) -> None:
     assert os.environ["VLLM_COMPAT_ACTIVE"] == "1"
     engine.uninstall()
     assert "VLLM_COMPAT_ACTIVE" not in os.environ
+
+
+def test_a_removed_name_fails_closed_at_import(sandbox) -> None:
+    """speculators' `from vllm... import NAME` of a name no adapter restores raises UnhandledDrift, naming the probe."""
+    from vllm_compat.probes._kit import import_probe
+
+    engine, _ = sandbox
+    import_probe(TARGET, "gone", ["0.4.0.1"])
+    engine.install()
+    with pytest.raises(UnhandledDrift) as caught:
+        from vc_test_target import gone  # noqa: F401
+    assert "import.vc_test_target.gone" in str(caught.value) and "vc_test_target.gone" in str(caught.value)
+    import vc_test_target
+
+    assert vc_test_target.thing(2) == 4  # other names are untouched
+    with pytest.raises(AttributeError):
+        vc_test_target.other  # noqa: B018
+    engine.uninstall()
+    assert "__getattr__" not in vars(vc_test_target)
