@@ -129,8 +129,12 @@ def main(argv: list[str]) -> int:
         os._exit(0)  # vLLM's exit handlers can hang a finished process; the result is written
 
     if args.model is None:
-        sys.path.insert(0, str(ROOT))
-        from tests.e2e.tiny_model import build_tiny_llama
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tests" / "e2e" / "tiny_model.py")
+        tiny_model = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tiny_model)
+        build_tiny_llama = tiny_model.build_tiny_llama
 
         args.model = str(build_tiny_llama(out / "tiny-llama", num_layers=4))
     runs: dict[str, list[dict]] = {"with": [], "without": []}

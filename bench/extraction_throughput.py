@@ -46,6 +46,17 @@ SMALL = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 1024, "
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _load(path: Path):
+    """Import a file of the project by path: the project root must not go on sys.path, which vLLM's spawned
+    workers inherit (they would import vllm_compat from the source tree instead of the installed package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"vllm_compat_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def log(out: Path, side: str, msg: str) -> None:
     line = f"[bench {time.strftime('%H:%M:%S')} {side}] {msg}"
     print(line, flush=True)
@@ -108,8 +119,7 @@ def _reset_peak(worker=None) -> None:
 
 # ------------------------------------------------------------------------------------------ sides
 def side_build(args: argparse.Namespace, out: Path) -> dict:
-    sys.path.insert(0, str(ROOT))
-    from tests.gpu.random_llama import build_random_llama
+    build_random_llama = _load(ROOT / "tests" / "gpu" / "random_llama.py").build_random_llama
 
     wanted = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "vocab")}
     shape_file = Path(args.model_dir) / "shape.json"
@@ -132,10 +142,7 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
     from speculators.data_generation import vllm_hidden_states_generator as gen_module
 
     if args.attention_backend:
-        sys.path.insert(0, str(ROOT))
-        from tests.gpu.extract import force_attention_backend
-
-        force_attention_backend(gen_module, args.attention_backend)
+        _load(ROOT / "tests" / "gpu" / "extract.py").force_attention_backend(gen_module, args.attention_backend)
     import torch
 
     layers = [int(x) for x in args.extract_layers.split(",")] if args.extract_layers else None
@@ -299,12 +306,14 @@ def run_side(args: argparse.Namespace, out: Path, side: str, extra: dict | None 
         env["VLLM_COMPAT_DISABLE"] = "1"  # plain vLLM: nothing of vllm-compat in that process
     if args.device == "cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    log(out, "main", f"side {side} starting")
+    timeout = args.side_timeout
+    if args.time_budget:
+        timeout = min(timeout, max(1, int(args.started + args.time_budget - time.time())))
+    log(out, "main", f"side {side} starting (timeout {timeout}s)")
     start = time.perf_counter()
     with open(out / "sides.log", "a") as sink:
         try:
-            done = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=args.side_timeout,
-                                  check=False)
+            done = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout, check=False)
             code = done.returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
@@ -397,7 +406,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="default 790 on cuda (H200 bf16 dense)")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--sides", default="extract,prefill,hf")
-    parser.add_argument("--side-timeout", type=int, default=480)
+    parser.add_argument("--side-timeout", type=int, default=480, help="seconds for one side")
+    parser.add_argument("--time-budget", type=int, default=None, help="seconds for the whole run (sides get the rest)")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--side-input", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -412,8 +422,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
         tag = f"h{args.hidden}-l{args.layers}-v{args.vocab}-{args.dtype}-{args.device}"
         args.model_dir = str(Path(tempfile.gettempdir()) / f"vllm-compat-bench-model-{tag}")
     args.out = args.out.resolve()
-    args.passthrough = [a for a in argv if not a.startswith("--side")]
+    args.started = time.time()
+    args.passthrough = _without_options(argv, ("--side", "--side-input", "--side-timeout", "--time-budget"))
     return args
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` minus the options ``names`` and their values (``--opt value`` or ``--opt=value``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(f"{name}=") for name in names):
+            kept.append(arg)
+    return kept
 
 
 def main(argv: list[str]) -> int:

@@ -61,11 +61,24 @@ def main(argv: list[str]) -> int:
         from speculators.data_generation import vllm_hidden_states_generator as gen_module
 
         force_attention_backend(gen_module, backend)
-    sys.path.insert(0, str(ROOT))
-    from tests.e2e import extract
-
+    extract = load_by_path(ROOT / "tests" / "e2e" / "extract.py", "vllm_compat_e2e_extract")
     sys.argv = [str(Path(extract.__file__)), *argv]
     return extract.main()
+
+
+def load_by_path(path: Path, name: str):
+    """Import a file as a module without putting the project root on ``sys.path``.
+
+    vLLM's spawned workers inherit the parent's ``sys.path``; with the project root first on it they would import
+    ``vllm_compat`` from the source tree (where ``vllm_compat.adapters`` does not exist) instead of the installed
+    package.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 if __name__ == "__main__":
