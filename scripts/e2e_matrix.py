@@ -186,11 +186,12 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
     report = work / f"report-{cell.speculators}-{cell.vllm}.json"
     report.unlink(missing_ok=True)
     env["VLLM_COMPAT_E2E_REPORT"] = str(report)
-    # --import-mode=append: the installed vllm_compat (with vllm_compat.probes/.adapters) must win over the source
-    # folder of the same name in the checkout, which pytest would otherwise put first on sys.path.
+    # -P and --import-mode=append: the installed vllm_compat (with vllm_compat.probes/.adapters) must win over the
+    # source folder of the same name in the checkout, which `python -m` and pytest would otherwise put first.
     done = run(
         [
             str(venv / "bin" / "python"),
+            "-P",
             "-m",
             "pytest",
             "tests/e2e",
