@@ -24,8 +24,8 @@ site = Path(vllm.__file__).resolve().parent.parent
 out = {}
 for name, view in (("live", LiveView()), ("static", StaticView(site))):
     plan = make_plan(view, lines)
-    out[name] = {"version": plan.vllm_version,
-                 "findings": {f"{f.probe}@{f.speculators}": [str(f.state), f.variant, f.evidence] for f in plan.findings}}
+    findings = {f"{f.probe}@{f.speculators}": [str(f.state), f.variant, f.evidence] for f in plan.findings}
+    out[name] = {"version": plan.vllm_version, "findings": findings}
 print(json.dumps(out))
 """
 
