@@ -116,7 +116,8 @@ def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
     pip(venv, "--no-deps", str(wheel))
     if not any(r.lower().startswith("transformers") and ">=5" in r.replace(" ", "") for r in requirements):
         requirements.append("transformers<5")  # releases before 0.24 predate transformers 5 (and so does speculators)
-    pip(venv, *requirements, "loguru", "pytest", "wrapt", "packaging", "tokenizers", "safetensors")
+    # datasets: speculators' preprocessing and vocabulary code, which the training-step test runs
+    pip(venv, *requirements, "loguru", "pytest", "wrapt", "packaging", "tokenizers", "safetensors", "datasets")
     if version.startswith("0.11."):
         # vLLM 0.11's CPU attention needs IPEX for a prefill that continues a cached context (chunked prefill)
         pip(venv, "--no-deps", "intel_extension_for_pytorch==2.8.0")

@@ -1,0 +1,275 @@
+"""The training step end to end: speculators' offline EAGLE-3 pipeline, unchanged, under ``vllm-compat run``.
+
+Three stages, each a fresh ``vllm-compat run -- python train_pipeline.py STAGE`` (tests/e2e/train_pipeline.py follows
+speculators' data_generation_offline.py, build_vocab_mapping.py and train.py): preprocess a conversation file with
+speculators' own preprocessing, extract hidden states with speculators' generator on a real vLLM engine and save one
+``.pt`` per sample, build the draft vocabulary mapping, then run speculators' EAGLE-3 trainer for one epoch
+(optimizer steps, validation, checkpoint) on that data. The saved hidden states are checked against transformers on
+the same weights; the trainer must change the draft model's weights and write a checkpoint that loads back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import TOLERANCE
+
+pytestmark = pytest.mark.e2e
+HERE = Path(__file__).parent
+PIPELINE = HERE / "train_pipeline.py"
+REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")
+LAYER_IDS = (0, 1, 2, 3)  # three auxiliary layers for EAGLE-3's fusion, then the last one (the verifier's states)
+DRAFT_VOCAB = 64
+CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+CONFIG_ADAPTERS = {"speculator-config-init", "speculator-config-schema", "speculator-config-validate"}
+
+
+def _record(name: str, value: object) -> None:
+    if REPORT:
+        path = Path(REPORT)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = value
+        path.write_text(json.dumps(data, indent=2))
+
+
+def _transformers_major() -> int:
+    from vllm_compat.versions import installed_version
+
+    version = installed_version("transformers")
+    return version.major if version else 0
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a chat template, which speculators' preprocessing requires."""
+    from transformers import AutoTokenizer
+
+    from tests.e2e.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny-chat-llama"), num_layers=4)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def conversations(path: Path, count: int = 6) -> Path:
+    """A ShareGPT-style JSONL file (the format speculators' preprocessing reads), words of the tiny vocabulary."""
+    rng = random.Random(7)
+
+    def text(n: int) -> str:
+        return " ".join(f"w{rng.randrange(0, 500)}" for _ in range(n))
+
+    rows = [
+        {"conversations": [{"from": "human", "value": text(rng.randrange(4, 20))}, {"from": "gpt", "value": text(n)}]}
+        for n in (rng.randrange(8, 40) for _ in range(count))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_stage(
+    stage: str, args: list[str], work: Path, *, compat: bool = True
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """``vllm-compat run -- python train_pipeline.py --report R STAGE ARGS`` in a fresh process tree."""
+    report = work / f"{stage}{'' if compat else '-plain'}.json"
+    report.unlink(missing_ok=True)
+    script = [sys.executable, str(PIPELINE), "--report", str(report), stage, *args]
+    cmd = [sys.executable, "-m", "vllm_compat.cli", "run", "--", *script] if compat else script
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(work / "hf-datasets"),
+    }
+    env.pop("VLLM_COMPAT_DISABLE", None)
+    done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1200, check=False)
+    data = json.loads(report.read_text()) if report.exists() else {}
+    return done, data
+
+
+@pytest.fixture(scope="module")
+def pipeline(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if importlib.util.find_spec("datasets") is None:
+        pytest.skip("speculators' preprocessing and vocabulary code need the `datasets` package")
+    work = tmp_path_factory.mktemp("train-pipeline")
+    data, freq = work / "data", work / "token_freq.pt"
+    runs: dict[str, Any] = {"work": work, "data": data, "model": chat_model}
+    done, report = run_stage(
+        "generate",
+        [
+            "--target-model-path", str(chat_model),
+            "--train-data-path", str(conversations(work / "conversations.jsonl")),
+            "--output-dir", str(data),
+            "--layer-ids", *map(str, LAYER_IDS),
+            "--seq-length", "256",
+            "--batch-size", "4",
+            "--token-freq-path", str(freq),
+            "--dtype", "float32",
+        ],
+        work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    runs["generate"] = report
+    done, report = run_stage(
+        "vocab",
+        ["--token-freq-path", str(freq), "--draft-vocab-size", str(DRAFT_VOCAB), "--target-vocab-size", "512",
+         "--output-path", str(data / "vocab_mapping.pt")],
+        work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    runs["vocab"] = report
+    runs["train_args"] = [
+        "--verifier-name-or-path", str(chat_model),
+        "--data-path", str(data),
+        "--save-path", str(work / "checkpoints"),
+        "--d2t-path", str(data / "d2t.npy"),
+        "--t2d-path", str(data / "t2d.npy"),
+        "--device", "cpu",
+        "--attention", "dense",
+    ]  # fmt: skip
+    done, report = run_stage("train", [*runs["train_args"], "--check-attention"], work)
+    assert done.returncode == 0, done.stderr[-6000:]
+    runs["train"] = report
+    return runs
+
+
+def test_samples_are_saved_as_speculators_saves_them(pipeline: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    generated = pipeline["generate"]
+    assert generated["status"]["installed"], "vllm-compat was not active in the script"
+    assert generated["workers"] and all(w["installed"] for w in generated["workers"]), generated["workers"]
+    assert all(w["pid"] != generated["pid"] for w in generated["workers"])
+    assert generated["vllm_dtype"] == "torch.float32"
+    assert generated["layer_ids"] == list(LAYER_IDS)
+
+    files = sorted(pipeline["data"].glob("data_*.pt"))
+    assert len(files) == generated["samples"] == 6
+    assert (pipeline["data"] / "data_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(pipeline["model"], torch_dtype=torch.float32).eval()
+    captured: dict[int, torch.Tensor] = {}
+    for layer in LAYER_IDS:  # each decoder layer's output: the residual stream (the last one before the final norm)
+        model.model.layers[layer].register_forward_hook(
+            lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out)
+        )
+    worst = 0.0
+    for path in files:
+        sample = torch.load(path, weights_only=True)
+        assert set(sample) == {"input_ids", "hidden_states", "loss_mask"}
+        n = sample["input_ids"].shape[0]
+        assert sample["loss_mask"].shape == (n,) and 0 < int(sample["loss_mask"].sum()) < n  # assistant turns only
+        assert len(sample["hidden_states"]) == len(LAYER_IDS)
+        with torch.no_grad():
+            model(sample["input_ids"][None])
+        for layer, got in zip(LAYER_IDS, sample["hidden_states"], strict=True):
+            want = captured[layer][0]
+            assert got.shape == want.shape == (n, 64)
+            worst = max(worst, (got.float() - want).abs().max().item())
+    _record("training_samples_max_abs_diff", worst)
+    assert worst < TOLERANCE
+
+
+def test_vocabulary_mapping(pipeline: dict[str, Any]) -> None:
+    import numpy as np
+
+    assert pipeline["vocab"]["d2t"] == [DRAFT_VOCAB] and pipeline["vocab"]["t2d"] == [512]
+    d2t, t2d = np.load(pipeline["data"] / "d2t.npy"), np.load(pipeline["data"] / "t2d.npy")
+    assert int(t2d.sum()) == DRAFT_VOCAB
+    assert sorted((np.arange(DRAFT_VOCAB) + d2t).tolist()) == np.flatnonzero(t2d).tolist()
+
+
+def test_speculators_trainer_steps_and_saves(pipeline: dict[str, Any]) -> None:
+    trained = pipeline["train"]
+    _record("training_steps", trained["steps"])
+    _record("training_loss", [m["loss"] for m in trained["train_metrics"]])
+    _record("training_seconds", trained["seconds"])
+    _record("training_applied", sorted(trained["status"].get("applied", {})))
+    assert trained["status"]["installed"]
+    assert trained["attention_max_abs_diff"] < 1e-5, "the dense stand-in differs from FlexAttention"
+    assert trained["steps"] >= 1
+    assert trained["train_metrics"] and all(math.isfinite(m["loss"]) for m in trained["train_metrics"])
+    assert trained["val_files"] >= 1 and trained["val_metrics"]
+    assert {"fc.weight", "lm_head.weight"} <= set(trained["changed"])
+    assert set(trained["changed"]) == set(trained["trainable"]), "some trainable weights did not move"
+    assert {"config.json", "model.safetensors"} <= set(trained["checkpoint_files"])
+    reloaded = {"class": "Eagle3SpeculatorConfig", "draft_vocab_size": DRAFT_VOCAB, "hidden_size": 64}
+    assert trained["reloaded"] == reloaded
+    applied = set(trained["status"]["applied"])
+    if _transformers_major() >= 5:
+        assert applied >= CONFIG_ADAPTERS
+    else:
+        assert not applied & CONFIG_ADAPTERS
+
+
+# Builds and saves a speculators EAGLE-3 config, as the training script and the trainer's checkpoint do, with one of
+# the speculator-config adapters switched off (its apply() made a no-op before vllm-compat installs).
+WITHOUT_ONE = """
+import os, sys, tempfile
+os.environ["VLLM_COMPAT_DISABLE"] = "1"
+import vllm_compat
+from vllm_compat.adapter import load_adapters
+off = sys.argv[1]
+if off != "none":
+    load_adapters()[off].apply = lambda self, module: None
+vllm_compat.install()
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from transformers import LlamaConfig
+stage = "build"
+try:
+    config = Eagle3SpeculatorConfig(transformer_layer_config=LlamaConfig(hidden_size=64), draft_vocab_size=8)
+    stage = "save"
+    config.save_pretrained(tempfile.mkdtemp())
+    stage = "ok"
+except Exception as exc:
+    print(stage, type(exc).__name__, str(exc).splitlines()[0])
+    sys.exit(1)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    ("off", "fails_at"),
+    [
+        ("none", "ok"),
+        ("speculator-config-init", "build AttributeError"),
+        ("speculator-config-schema", "build PydanticUserError"),
+        ("speculator-config-validate", "save TypeError"),
+    ],
+)
+def test_each_config_adapter_is_needed(off: str, fails_at: str) -> None:
+    """Under transformers 5, each speculator-config adapter is what makes its step work; under 4 none is needed."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_ONE, off], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    got = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    if _transformers_major() < 5:
+        assert got == "ok", got
+    else:
+        assert got.startswith(fails_at), got
+
+
+def test_training_without_vllm_compat(pipeline: dict[str, Any]) -> None:
+    """Without vllm-compat, speculators' training breaks exactly where transformers 5 is installed."""
+    done, _report = run_stage("train", pipeline["train_args"], pipeline["work"], compat=False)
+    last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:]
+    _record("training_without_compat", "passes" if done.returncode == 0 else f"fails: {last[0] if last else ''}")
+    if _transformers_major() >= 5:
+        assert done.returncode != 0
+    else:
+        assert done.returncode == 0, done.stderr[-3000:]
