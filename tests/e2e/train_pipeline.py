@@ -309,7 +309,9 @@ def _check_attention() -> float:
     torch.manual_seed(0)
     lengths = torch.tensor([37, 51, 40])
     total = int(lengths.sum())
-    mask = create_block_mask(create_combined_mask_mod(lengths, total), B=None, H=None, Q_LEN=total, KV_LEN=total)
+    mask = create_block_mask(
+        create_combined_mask_mod(lengths, total), B=None, H=None, Q_LEN=total, KV_LEN=total, device="cpu"
+    )
     worst = 0.0
     for step in range(3):
         kv = total * (step + 1)
