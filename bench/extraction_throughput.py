@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -336,6 +337,8 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
             continue
         seconds = sum(r["call_seconds"])
         numbers[f"{side}_tokens_per_s"] = tokens / seconds
+        # per call, the median: one slow call (a late compile, a collection) moves the total, not this
+        numbers[f"{side}_median_tokens_per_s"] = tokens / len(calls) / statistics.median(r["call_seconds"])
         numbers[f"{side}_tflops"] = total_flops / seconds / 1e12
         if args.peak_tflops:
             numbers[f"{side}_peak_fraction"] = numbers[f"{side}_tflops"] / args.peak_tflops
@@ -350,11 +353,24 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
     if results.get("extract"):
         e = results["extract"]
         numbers["extract_collect_fraction"] = sum(e["collect_seconds"]) / sum(e["call_seconds"])
+        # everything but the one RPC that returns the states: the engine steps and the parent's own work
+        loop = [c - g for c, g in zip(e["call_seconds"], e["collect_seconds"], strict=True)]
+        numbers["extract_without_collect_tokens_per_s"] = tokens / sum(loop)
+        numbers["extract_without_collect_median_tokens_per_s"] = tokens / len(calls) / statistics.median(loop)
+        if results.get("hf"):
+            numbers["hf_forward_only_tokens_per_s"] = tokens / sum(results["hf"]["forward_seconds"])
         numbers["extract_parent_peak_bytes"] = e["parent_memory"].get(
             "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes"))
     for other in ("prefill", "hf"):
         if "extract_tokens_per_s" in numbers and f"{other}_tokens_per_s" in numbers:
             numbers[f"ratio_extract_vs_{other}"] = numbers["extract_tokens_per_s"] / numbers[f"{other}_tokens_per_s"]
+            numbers[f"ratio_extract_vs_{other}_median"] = (
+                numbers["extract_median_tokens_per_s"] / numbers[f"{other}_median_tokens_per_s"])
+    if "extract_without_collect_tokens_per_s" in numbers and "prefill_tokens_per_s" in numbers:
+        numbers["ratio_extract_without_collect_vs_prefill"] = (
+            numbers["extract_without_collect_tokens_per_s"] / numbers["prefill_tokens_per_s"])
+        numbers["ratio_extract_without_collect_vs_prefill_median"] = (
+            numbers["extract_without_collect_median_tokens_per_s"] / numbers["prefill_median_tokens_per_s"])
     if "extract_peak_bytes" in numbers and "prefill_peak_bytes" in numbers:
         numbers["ratio_peak_memory_extract_vs_prefill"] = numbers["extract_peak_bytes"] / numbers["prefill_peak_bytes"]
         if "extract_peak_without_kv_bytes" in numbers and "prefill_peak_without_kv_bytes" in numbers:
@@ -369,8 +385,8 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         f"prompts: {args.calls} timed calls (+{args.warmup_calls} warm-up) of {args.seqs_per_call} x {args.seq_len} "
         f"tokens = {tokens} tokens timed; {total_flops / 1e12:.1f} TFLOP",
         "",
-        "| side | tokens/s | TFLOP/s | of peak | peak mem GiB | KV cache GiB | peak w/o KV GiB |",
-        "|---|---|---|---|---|---|---|",
+        "| side | tokens/s | median call tok/s | TFLOP/s | of peak | peak mem GiB | KV cache GiB | peak w/o KV GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for side, _seconds, _r in rows:
         frac = numbers.get(f"{side}_peak_fraction")
@@ -378,14 +394,20 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         kv = numbers.get(f"{side}_kv_cache_bytes")
         wo = numbers.get(f"{side}_peak_without_kv_bytes")
         lines.append(
-            f"| {side} | {numbers[f'{side}_tokens_per_s']:.0f} | {numbers[f'{side}_tflops']:.3g} | "
+            f"| {side} | {numbers[f'{side}_tokens_per_s']:.0f} | {numbers[f'{side}_median_tokens_per_s']:.0f} | "
+            f"{numbers[f'{side}_tflops']:.3g} | "
             f"{f'{frac:.1%}' if frac is not None else '-'} | {f'{peak / gib:.2f}' if peak else '-'} | "
             f"{f'{kv / gib:.2f}' if kv else '-'} | {f'{wo / gib:.2f}' if wo is not None else '-'} |")
     lines.append("")
-    for key in ("ratio_extract_vs_prefill", "ratio_extract_vs_hf", "ratio_peak_memory_extract_vs_prefill",
-                "ratio_peak_without_kv_extract_vs_prefill", "extract_collect_fraction"):
+    for key in ("ratio_extract_vs_prefill", "ratio_extract_vs_prefill_median", "ratio_extract_vs_hf",
+                "ratio_extract_vs_hf_median", "ratio_peak_memory_extract_vs_prefill",
+                "ratio_peak_without_kv_extract_vs_prefill", "extract_collect_fraction",
+                "ratio_extract_without_collect_vs_prefill", "ratio_extract_without_collect_vs_prefill_median"):
         if key in numbers:
             lines.append(f"{key}: {numbers[key]:.3f}")
+    if "hf_forward_only_tokens_per_s" in numbers:
+        only = numbers["hf_forward_only_tokens_per_s"]
+        lines.append(f"hf forward only (states left on the device): {only:.0f} tokens/s")
     if numbers.get("extract_parent_peak_bytes"):
         lines.append(f"extract parent process peak: {numbers['extract_parent_peak_bytes'] / gib:.2f} GiB")
     return numbers, "\n".join(lines)
@@ -408,6 +430,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sides", default="extract,prefill,hf")
     parser.add_argument("--side-timeout", type=int, default=480, help="seconds for one side")
     parser.add_argument("--time-budget", type=int, default=None, help="seconds for the whole run (sides get the rest)")
+    parser.add_argument("--resummarize", type=Path, default=None,
+                        help="print the summary of an earlier results.json again (no run)")
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--side-input", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,6 +466,11 @@ def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if args.resummarize:
+        report = json.loads(args.resummarize.read_text())
+        earlier = argparse.Namespace(**{**vars(args), **report["args"]})
+        print(summarize(earlier, report["shape"], report["sides"])[1])
+        return 0
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.side:  # one side, in its own process
