@@ -59,10 +59,12 @@ def _load(path: Path):
 
 
 def log(out: Path, side: str, msg: str) -> None:
+    """A progress line: on stdout, and in sides.log (a side's stdout already goes there)."""
     line = f"[bench {time.strftime('%H:%M:%S')} {side}] {msg}"
     print(line, flush=True)
-    with open(out / "sides.log", "a") as f:
-        f.write(line + "\n")
+    if side == "main":
+        with open(out / "sides.log", "a") as f:
+            f.write(line + "\n")
 
 
 def prompt_calls(args: argparse.Namespace) -> list[list[list[int]]]:
