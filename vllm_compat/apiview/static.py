@@ -86,7 +86,7 @@ class _WheelReader(_Reader):
             return None
         try:
             return self.zip.read(rel).decode("utf-8", errors="replace")
-        except (zipfile.BadZipFile, OSError, KeyError, EOFError, ValueError):
+        except Exception:  # a damaged member (bad CRC, zlib.error, unsupported compression...) reads as absent
             return None
 
     def exists(self, rel: str) -> bool:
