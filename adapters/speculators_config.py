@@ -91,7 +91,7 @@ class SpeculatorConfigSchema(Adapter):
     What broke: under transformers 5, ``PretrainedConfig`` annotates ``dtype`` as ``torch.dtype`` in a module that
     imports torch only for type checking. When speculators defines a config class (``Eagle3SpeculatorConfig``...)
     pydantic cannot resolve that name and leaves the class incomplete; building one then fails with
-    ``PydanticUserError: `Eagle3SpeculatorConfig` is not fully defined; you should define `torch```.
+    ``PydanticUserError: Eagle3SpeculatorConfig is not fully defined; you should define torch``.
     (``pydantic-torch-namespace`` covers the same name in speculators' registry reloads at import.)
     Where fixed: ``SpeculatorModelConfig.__pydantic_init_subclass__``: a class pydantic left incomplete is rebuilt
     once with ``torch`` in the types namespace. Complete classes are left alone.
