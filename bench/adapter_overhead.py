@@ -1,8 +1,10 @@
 """What vllm-compat costs per generate() call where speculators runs without it (speculators 0.4.0.1 on vLLM 0.16).
 
-Two sides run speculators' unchanged ``VllmHiddenStatesGenerator`` on the same model and prompts, each in a fresh
-interpreter (vLLM spawns workers; adapters live per process), alternating ABAB... over ``--rounds`` rounds so that
-load on the machine hits both alike:
+Two generators run side by side, each in its own interpreter (adapters live per process; vLLM spawns workers), on
+the same model and the same prompts, and take turns: call i runs on one, then on the other, the order flipping
+every call, so that whatever else loads the machine hits both alike. The paired ratio t_with / t_without of each
+call is the measurement; the headline is the median of those ratios (target <= 1.02), with their geometric mean
+and interquartile range beside it, over ``--rounds`` fresh pairs of processes.
 
 - ``with``: ``import vllm_compat`` first, as a user's script does. Every adapter the probes call for is applied,
   in the parent and, through the plugin, in the worker.
@@ -11,22 +13,23 @@ load on the machine hits both alike:
   (0, 0) there, the Scheduler then fails), so this side gets the one harness patch it needs: ``mem_get_info`` in
   speculators' module is rebound to a plain function returning the free memory that makes speculators' own
   formula (free * gpu_memory_utilization * 0.2) come out at ``VLLM_CPU_KVCACHE_SPACE`` GiB, the size vllm-compat's
-  CPU adapter gives the other side. It runs once, in the constructor, and is not part of any call timed here.
+  CPU adapter gives the other side. It runs once, in the constructor, outside every timed call.
 
-The timed quantity is the wall time of each ``generate()`` after ``--warmup`` calls; the headline is the ratio of
-the medians with/without (target <= 1.02), with the means beside it. Both sides must return the same states (the
-largest difference between them is reported). With a tiny model (the default, as in tests/e2e) a call is mostly
-Python and RPC, which makes any per-call cost of the adapters as visible as it can be. The harness setting of the
-end-to-end tests, float32 instead of vLLM's CPU choice of bfloat16, is not used: both sides run vLLM's default.
+Both sides run with ``VLLM_SLEEP_WHEN_IDLE=1`` (the same for both): otherwise the idle side's worker spins on its
+message queue while the other side's call runs, which on a small machine slows that call. Both must return the
+same states (the largest difference is reported). Start-up is reported apart (import and constructor seconds);
+it is not per call. With a tiny model (the default, the one of tests/e2e) a call is mostly Python and RPC, which
+makes any per-call cost of the adapters as visible as it can be. vLLM's CPU default dtype (bfloat16) on both sides.
 
     python bench/adapter_overhead.py                     # needs vLLM (a CPU build is enough) and speculators 0.4.0.1
-    python bench/adapter_overhead.py --rounds 5 --calls 40 --out DIR
+    python bench/adapter_overhead.py --rounds 3 --calls 60 --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -39,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_MEMORY_FRACTION = 0.2  # speculators' generator: cache = free * gpu_memory_utilization * 0.2
 GPU_MEMORY_UTILIZATION = 0.8  # the generator's default
+SIDES = ("with", "without")
 
 
 def prompts(args: argparse.Namespace) -> list[list[list[int]]]:
@@ -48,7 +52,16 @@ def prompts(args: argparse.Namespace) -> list[list[list[int]]]:
              for _ in range(args.seqs)] for _ in range(n)]
 
 
-def side(args: argparse.Namespace) -> dict:
+# ------------------------------------------------------------------------------------------ one side
+def serve(args: argparse.Namespace) -> None:
+    """Build the generator, then run the calls the orchestrator asks for, one JSON line each way."""
+    commands = os.fdopen(args.cmd_fd, "r")
+    replies = os.fdopen(args.reply_fd, "w")
+
+    def reply(msg: dict) -> None:
+        replies.write(json.dumps(msg) + "\n")
+        replies.flush()
+
     t0 = time.perf_counter()
     if args.side == "with":
         import vllm_compat
@@ -58,23 +71,26 @@ def side(args: argparse.Namespace) -> dict:
         _harness_kv_memory(gen_module)
     t_import = time.perf_counter()
     generator = gen_module.VllmHiddenStatesGenerator(model_path=args.model, layer_ids=[0, 1, 3], max_model_len=2048)
-    t_init = time.perf_counter()
-    seconds, first = [], None
-    for i, call in enumerate(prompts(args)):
-        start = time.perf_counter()
-        results = generator.generate(call)
-        elapsed = time.perf_counter() - start
-        if i >= args.warmup:
-            seconds.append(elapsed)
-        if first is None:
-            first = results
+    reply({"import_seconds": t_import - t0, "init_seconds": time.perf_counter() - t_import})
+    calls = prompts(args)
+    first = None
+    for line in commands:
+        msg = json.loads(line)
+        if msg["op"] == "call":
+            start = time.perf_counter()
+            results = generator.generate(calls[msg["i"]])
+            reply({"seconds": time.perf_counter() - start})
+            if first is None:
+                first = results
+        else:
+            break
     applied = sorted(vllm_compat.status()["applied"]) if args.side == "with" else []
     generator.executor.shutdown()
     import torch
 
     torch.save(first, Path(args.out) / f".{args.side}-states.pt")
-    return {"import_seconds": t_import - t0, "init_seconds": t_init - t_import, "call_seconds": seconds,
-            "applied": applied, "vllm_compat_imported": "vllm_compat" in sys.modules}
+    reply({"applied": applied})
+    os._exit(0)  # vLLM's exit handlers can hang a finished process; the reply is written
 
 
 def _harness_kv_memory(gen_module) -> None:
@@ -88,45 +104,90 @@ def _harness_kv_memory(gen_module) -> None:
     gen_module.mem_get_info = lambda: (free, free)
 
 
-def run_side(args: argparse.Namespace, name: str, out: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", name, "--model", args.model, "--out", str(out),
-           "--calls", str(args.calls), "--warmup", str(args.warmup), "--seqs", str(args.seqs),
-           "--seq-len", str(args.seq_len)]
-    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("VLLM_COMPAT_DISABLE", None)
-    if name == "without":
-        env["VLLM_COMPAT_DISABLE"] = "1"
-    result_file = out / f".{name}.json"
-    result_file.unlink(missing_ok=True)
-    with open(out / "adapter_overhead.log", "a") as sink:
-        done = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=args.side_timeout,
-                              check=False)
-    if done.returncode != 0 or not result_file.exists():
-        raise RuntimeError(f"side {name} exited {done.returncode}; see {out / 'adapter_overhead.log'}")
-    return json.loads(result_file.read_text())
+# ------------------------------------------------------------------------------------------ orchestration
+class Side:
+    def __init__(self, args: argparse.Namespace, name: str, out: Path) -> None:
+        cmd_read, self._cmd_write = os.pipe()
+        self._reply_read, reply_write = os.pipe()
+        env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_SLEEP_WHEN_IDLE": "1"}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.pop("VLLM_COMPAT_DISABLE", None)
+        if name == "without":
+            env["VLLM_COMPAT_DISABLE"] = "1"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--side", name, "--model", args.model, "--out",
+               str(out), "--calls", str(args.calls), "--warmup", str(args.warmup), "--seqs", str(args.seqs),
+               "--seq-len", str(args.seq_len), "--cmd-fd", str(cmd_read), "--reply-fd", str(reply_write)]
+        self.log = open(out / "adapter_overhead.log", "a")  # noqa: SIM115  (open while the side lives)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     pass_fds=(cmd_read, reply_write))
+        os.close(cmd_read)
+        os.close(reply_write)
+        self.commands = os.fdopen(self._cmd_write, "w")
+        self.replies = os.fdopen(self._reply_read, "r")
+        self.name = name
+
+    def receive(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"side {self.name} exited ({self.proc.wait()}); see adapter_overhead.log")
+        return json.loads(line)
+
+    def call(self, i: int) -> float:
+        self.commands.write(json.dumps({"op": "call", "i": i}) + "\n")
+        self.commands.flush()
+        return self.receive()["seconds"]
+
+    def finish(self) -> dict:
+        self.commands.write(json.dumps({"op": "quit"}) + "\n")
+        self.commands.flush()
+        result = self.receive()
+        self.proc.wait(timeout=120)
+        self.log.close()
+        return result
+
+
+def run_round(args: argparse.Namespace, out: Path, r: int) -> dict:
+    order = SIDES if r % 2 == 0 else SIDES[::-1]
+    sides, starts = {}, {}
+    for name in order:  # one at a time: start-up numbers are not shared with the other's start-up
+        sides[name] = Side(args, name, out)
+        starts[name] = sides[name].receive()
+    seconds: dict[str, list[float]] = {name: [] for name in SIDES}
+    for i in range(args.warmup + args.calls):
+        pair = order if i % 2 == 0 else order[::-1]
+        for name in pair:
+            t = sides[name].call(i)
+            if i >= args.warmup:
+                seconds[name].append(t)
+    ends = {name: sides[name].finish() for name in order}
+    ratios = [w / wo for w, wo in zip(seconds["with"], seconds["without"], strict=True)]
+    print(f"round {r}: with {statistics.median(seconds['with']) * 1000:.1f} ms, without "
+          f"{statistics.median(seconds['without']) * 1000:.1f} ms (medians of {args.calls} calls); paired ratio "
+          f"median {statistics.median(ratios):.3f}; init with {starts['with']['init_seconds']:.1f} s, without "
+          f"{starts['without']['init_seconds']:.1f} s", flush=True)
+    return {"seconds": seconds, "ratios": ratios, "starts": starts, "applied": ends["with"]["applied"]}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a model folder (default: the e2e tests' tiny Llama, built)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=20, help="timed generate() calls per process")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh pairs of processes")
+    parser.add_argument("--calls", type=int, default=40, help="timed generate() calls per side and round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seqs", type=int, default=8, help="sequences per call (<= 10 keeps 0.4.0.1's order right)")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", default=None, help="folder for the log and results (default: a temp folder)")
-    parser.add_argument("--side-timeout", type=int, default=900)
-    parser.add_argument("--side", choices=("with", "without"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cmd-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--reply-fd", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="vllm-compat-overhead-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     args.out = str(out)
     if args.side:
-        result = side(args)
-        (out / f".{args.side}.json").write_text(json.dumps(result))
-        sys.stdout.flush()
-        os._exit(0)  # vLLM's exit handlers can hang a finished process; the result is written
+        serve(args)
+        return 0
 
     if args.model is None:
         import importlib.util
@@ -134,48 +195,45 @@ def main(argv: list[str]) -> int:
         spec = importlib.util.spec_from_file_location("tiny_model", ROOT / "tests" / "e2e" / "tiny_model.py")
         tiny_model = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(tiny_model)
-        build_tiny_llama = tiny_model.build_tiny_llama
+        args.model = str(tiny_model.build_tiny_llama(out / "tiny-llama", num_layers=4))
+    rounds = [run_round(args, out, r) for r in range(args.rounds)]
 
-        args.model = str(build_tiny_llama(out / "tiny-llama", num_layers=4))
-    runs: dict[str, list[dict]] = {"with": [], "without": []}
-    for r in range(args.rounds):
-        for name in (("with", "without") if r % 2 == 0 else ("without", "with")):
-            t0 = time.perf_counter()
-            runs[name].append(run_side(args, name, out))
-            calls = runs[name][-1]["call_seconds"]
-            print(f"round {r} {name:7s}: median {statistics.median(calls) * 1000:.1f} ms/call over {len(calls)} "
-                  f"calls ({time.perf_counter() - t0:.0f}s with start-up)", flush=True)
     import torch
 
     a = torch.load(out / ".with-states.pt", weights_only=False)
     b = torch.load(out / ".without-states.pt", weights_only=False)
     same = max((x.float() - y.float()).abs().max().item() for ra, rb in zip(a, b, strict=True)
                for x, y in zip(ra["hidden_states"], rb["hidden_states"], strict=True))
-    summary = {}
-    for name, results in runs.items():
-        calls = [s for r in results for s in r["call_seconds"]]
-        summary[name] = {
-            "median_ms": statistics.median(calls) * 1000,
-            "mean_ms": statistics.fmean(calls) * 1000,
-            "round_medians_ms": [statistics.median(r["call_seconds"]) * 1000 for r in results],
-            "init_s": statistics.median(r["init_seconds"] for r in results),
-            "import_s": statistics.median(r["import_seconds"] for r in results),
-            "applied": results[0]["applied"],
-        }
-    ratio_median = summary["with"]["median_ms"] / summary["without"]["median_ms"]
-    ratio_mean = summary["with"]["mean_ms"] / summary["without"]["mean_ms"]
-    report = {"args": {k: v for k, v in vars(args).items() if k != "side"}, "summary": summary,
-              "ratio_median": ratio_median, "ratio_mean": ratio_mean, "max_abs_diff_between_sides": same,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    ratios = sorted(q for r in rounds for q in r["ratios"])
+    times = {name: [t for r in rounds for t in r["seconds"][name]] for name in SIDES}
+    quartiles = statistics.quantiles(ratios, n=4)
+    summary = {
+        "paired_ratio_median": statistics.median(ratios),
+        "paired_ratio_geomean": math.exp(statistics.fmean(math.log(q) for q in ratios)),
+        "paired_ratio_q1_q3": [quartiles[0], quartiles[2]],
+        "ratio_of_medians": statistics.median(times["with"]) / statistics.median(times["without"]),
+        "median_ms": {name: statistics.median(times[name]) * 1000 for name in SIDES},
+        "init_seconds": {name: [r["starts"][name]["init_seconds"] for r in rounds] for name in SIDES},
+        "import_seconds": {name: [r["starts"][name]["import_seconds"] for r in rounds] for name in SIDES},
+        "applied": rounds[0]["applied"],
+        "max_abs_diff_between_sides": same,
+        "pairs": len(ratios),
+    }
+    report = {"args": {k: v for k, v in vars(args).items() if k not in ("side", "cmd_fd", "reply_fd")},
+              "summary": summary, "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     (out / "adapter_overhead.json").write_text(json.dumps(report, indent=2))
-    w, wo = summary["with"], summary["without"]
-    print(f"generate() with vllm-compat:    median {w['median_ms']:.1f} ms, mean {w['mean_ms']:.1f} ms "
-          f"({args.rounds} processes x {args.calls} calls of {args.seqs} sequences); init {w['init_s']:.1f} s")
-    print(f"generate() without vllm-compat: median {wo['median_ms']:.1f} ms, mean {wo['mean_ms']:.1f} ms; "
-          f"init {wo['init_s']:.1f} s")
-    print(f"adapters applied: {', '.join(w['applied']) or 'none'}")
+    s = summary
+    print(f"generate() median: with vllm-compat {s['median_ms']['with']:.1f} ms, without "
+          f"{s['median_ms']['without']:.1f} ms ({s['pairs']} paired calls of {args.seqs} sequences, "
+          f"{args.rounds} rounds)")
+    print(f"constructor seconds: with {s['init_seconds']['with']}, without {s['init_seconds']['without']}; "
+          f"import seconds: with {[round(x, 2) for x in s['import_seconds']['with']]}, "
+          f"without {[round(x, 2) for x in s['import_seconds']['without']]}")
+    print(f"adapters applied: {', '.join(s['applied']) or 'none'}")
     print(f"states with vs without: max abs diff {same:.3g}")
-    print(f"ratio with/without: median {ratio_median:.3f}, mean {ratio_mean:.3f} (target <= 1.02)")
+    print(f"paired ratio with/without: median {s['paired_ratio_median']:.3f}, geometric mean "
+          f"{s['paired_ratio_geomean']:.3f}, interquartile {s['paired_ratio_q1_q3'][0]:.3f}.."
+          f"{s['paired_ratio_q1_q3'][1]:.3f}; ratio of medians {s['ratio_of_medians']:.3f} (target <= 1.02)")
     print(f"results: {out / 'adapter_overhead.json'}")
     return 0
 
