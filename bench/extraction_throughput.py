@@ -445,7 +445,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.peak_tflops is None and args.device == "cuda":
         args.peak_tflops = 790.0
     if args.model_dir is None:
-        tag = f"h{args.hidden}-l{args.layers}-v{args.vocab}-{args.dtype}-{args.device}"
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:  # a tokenizer saved by transformers 5 does not load in transformers 4
+            writer = f"tf{version('transformers')}"
+        except PackageNotFoundError:
+            writer = "tf-none"
+        tag = f"h{args.hidden}-l{args.layers}-v{args.vocab}-{args.dtype}-{args.device}-{writer}"
         args.model_dir = str(Path(tempfile.gettempdir()) / f"vllm-compat-bench-model-{tag}")
     args.out = args.out.resolve()
     args.started = time.time()
