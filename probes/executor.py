@@ -48,7 +48,8 @@ def execute_model_protocol(view: ApiView) -> Observation:
 
 
 def _returns_single_reply(tree: ast.AST) -> bool | None:
-    """True for ``return responses[0] if rank is not None else responses``; False for a plain list."""
+    """True for ``return responses[0] if rank is not None else responses``; False for a plain list; None (unknown)
+    when some return builds a value of another shape (a dict, a tuple...), which neither line was written for."""
     verdict = None
     for node in ast.walk(tree):
         if isinstance(node, ast.Return) and node.value is not None:
@@ -58,6 +59,10 @@ def _returns_single_reply(tree: ast.AST) -> bool | None:
                 for v in (value.body, value.orelse)
             ):
                 return True
+            if isinstance(value, ast.Dict | ast.DictComp | ast.Set | ast.SetComp | ast.Tuple) or (
+                isinstance(value, ast.Constant) and value.value is not None
+            ):
+                return None
             if isinstance(value, ast.Name | ast.List | ast.ListComp):
                 verdict = False
     return verdict

@@ -174,11 +174,14 @@ class _Engine:
         adapter.reason = "; ".join(reasons)
         try:
             adapter.apply(module)
+        except AdapterError as exc:  # the adapter refused on purpose; its message says why and what to do
+            adapter.revert()
+            raise AdapterError(f"vllm-compat adapter {cls.id} refused to patch {module.__name__}: {exc}") from exc
         except Exception as exc:
             adapter.revert()
             raise AdapterError(
-                f"vllm-compat adapter {cls.id} could not patch {module.__name__}: {exc}. "
-                "Run `vllm-compat probe` and report the output."
+                f"vllm-compat adapter {cls.id} could not patch {module.__name__}: {type(exc).__name__}: "
+                f"{str(exc).rstrip('.')}. Run `vllm-compat probe` and report its output with this message."
             ) from exc
         if not adapter.applied:
             logger.debug("vllm-compat adapter %s found nothing to patch", cls.id)

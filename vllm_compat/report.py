@@ -48,6 +48,14 @@ def render_table(plan: Plan, origin: str, strict: bool, verbose: bool = False) -
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
     out.append("")
+    if not plan.passes(strict):
+        failing = plan.unhandled if strict else plan.unhandled_drift
+        out.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
+        out.append(
+            "what to do: each row above says what speculators expects and what this vLLM has (observed, with "
+            "file:line). Pin a vLLM release this report passes, or upgrade vllm-compat; a new adapter must cover "
+            "the observed variant."
+        )
     verdict = (
         f"verdict: {len(drift)} drifted ({len(covered)} covered, {len(plan.unhandled_drift)} unhandled), "
         f"{len(plan.unknown)} unknown -> {'OK' if plan.passes(strict) else 'FAIL'}"

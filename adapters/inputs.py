@@ -1,0 +1,248 @@
+"""Adapters that keep bad input to ``generate()`` from breaking the engine speculators drives by hand."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+from types import ModuleType
+from typing import Any
+
+from vllm_compat.adapters._kit import GENERATOR_MODULE
+
+from vllm_compat.adapter import Adapter
+
+logger = logging.getLogger("vllm_compat")
+WHERE = "VllmHiddenStatesGenerator.generate(token_ids)"
+
+
+class GenerateChecks(Adapter):
+    """Check ``generate()``'s input before any request reaches vLLM; clean up after a failed call; say when the
+    engine is gone.
+
+    What broke (speculators defects, on every vLLM): ``generate()`` hands its input to vLLM's scheduler unchecked. An
+    empty sequence, alone or in a batch, trips ``assert num_new_tokens > 0`` in ``Scheduler.schedule()``; the request
+    stays queued, so every later call fails the same way and the generator is unusable. Token ids outside the
+    vocabulary, floats, a flat list or a tensor of the wrong rank fail with a bare ``AssertionError`` or ``'int'
+    object is not subscriptable``. Any call that fails after its requests were added leaves them in the scheduler,
+    which poisons the calls after it. And once a worker process died, vLLM's executor is shut down and each call
+    fails with ``AssertionError: collective_rpc should not be called on follower node``.
+    Where fixed: around ``generate()``. The input is checked first (a ValueError or TypeError naming the sequence,
+    position and value); valid input is passed on unchanged, including a sequence longer than ``max_model_len - 1``,
+    which speculators truncates. If the call fails anyway, the requests it added are aborted, so the next call starts
+    from a clean scheduler; if it failed because the executor is gone, a RuntimeError says so.
+    """
+
+    id = "generate-checks"
+    always = "a speculators defect: generate() passes unchecked input to vLLM's scheduler"
+    target = GENERATOR_MODULE
+    remove_when = "speculators validates generate()'s input and cleans up after a failure (or >= 0.5)"
+
+    def apply(self, module: ModuleType) -> None:
+        def generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if executor_gone(instance):
+                raise RuntimeError(f"{WHERE}: {GONE}")
+            token_ids = kwargs["token_ids"] if "token_ids" in kwargs else args[0] if args else None
+            check_token_ids(token_ids, vocab_size(instance))
+            call = getattr(instance, "_request_counter", None)
+            try:
+                return wrapped(*args, **kwargs)
+            except Exception as exc:
+                if executor_gone(instance):
+                    raise RuntimeError(f"{WHERE} failed: {GONE}") from exc
+                if isinstance(call, int):
+                    abort_leftovers(instance, call)
+                raise
+
+        self.wrap(module, "VllmHiddenStatesGenerator.generate", generate)
+
+
+GONE = (
+    "vLLM's executor is shut down (a worker process died, or executor.shutdown() was called), so this generator "
+    "cannot run again. Create a new VllmHiddenStatesGenerator; the log above names the worker that died."
+)
+
+
+def executor_gone(generator: Any) -> bool:
+    executor = getattr(generator, "__dict__", {}).get("executor")
+    return executor is not None and bool(
+        getattr(executor, "is_failed", False) or getattr(executor, "shutting_down", False)
+    )
+
+
+class ConstructorChecks(Adapter):
+    """Check the generator's arguments before any worker starts, and stop the workers if the constructor fails.
+
+    What broke (a speculators defect, on every vLLM): duplicated ``layer_ids`` start the engine and then return one
+    tensor per distinct layer, not one per requested layer (a silently short result); a local ``model_path`` that
+    does not exist fails inside huggingface_hub with "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'". And a constructor that fails after ``MultiprocExecutor`` started (KV-cache planning, say)
+    leaves the workers running until the half-built generator is garbage-collected, which a caller holding the
+    exception (and so its traceback) delays indefinitely.
+    Where fixed: around the constructor: duplicated layers and a missing local folder raise before anything loads;
+    on any failure after the executor started, the executor is shut down before the error propagates.
+    """
+
+    id = "constructor-checks"
+    always = "a speculators defect: the constructor's arguments are checked late and its workers outlive a failure"
+    target = GENERATOR_MODULE
+    remove_when = "speculators checks its arguments and cleans up a failed constructor (or >= 0.5)"
+
+    def apply(self, module: ModuleType) -> None:
+        def init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            model_path = kwargs.get("model_path", args[0] if args else None)
+            layer_ids = kwargs.get("layer_ids", args[1] if len(args) > 1 else None)
+            check_model_path(model_path)
+            check_layer_ids(layer_ids)
+            try:
+                return wrapped(*args, **kwargs)
+            except BaseException as exc:
+                if shut_down_executor(instance) and hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(
+                        "vllm-compat: the generator's constructor failed after vLLM's workers had started; "
+                        "they were shut down."
+                    )
+                raise
+
+        self.wrap(module, "VllmHiddenStatesGenerator.__init__", init)
+
+
+def check_model_path(model_path: Any) -> None:
+    """A local path (absolute, ``./``, ``../``, ``~``) must exist; a hub id (``org/name``) is left to transformers."""
+    if not isinstance(model_path, str | os.PathLike):
+        return
+    text = os.fspath(model_path)
+    local = os.path.isabs(text) or text.startswith(("./", "../", "~", ".\\", "..\\"))
+    if local and not os.path.exists(os.path.expanduser(text)):
+        raise FileNotFoundError(
+            f"VllmHiddenStatesGenerator(model_path={text!r}): no such file or folder. Pass a local model folder "
+            "or a Hugging Face model id (org/name)."
+        )
+
+
+def check_layer_ids(layer_ids: Any) -> None:
+    """Duplicated layer ids would get one tensor per distinct layer back, not one per requested layer."""
+    if layer_ids is None:
+        return
+    try:
+        ids = list(layer_ids)
+        seen: set[Any] = set()
+        twice = [i for i in ids if i in seen or seen.add(i)]
+    except TypeError:
+        return  # not a list of ints: speculators' own check reports it
+    if twice:
+        raise ValueError(
+            f"VllmHiddenStatesGenerator(layer_ids={ids}): layer {twice[0]} is requested more than once; the "
+            "workers capture each layer once, so the result would hold fewer tensors than layer_ids. "
+            "Pass distinct layer ids."
+        )
+
+
+def shut_down_executor(generator: Any) -> bool:
+    """Shut down the executor a failed constructor started; whether there was one."""
+    executor = getattr(generator, "__dict__", {}).get("executor")
+    if executor is None:
+        return False
+    try:
+        executor.shutdown()
+        logger.info("vllm-compat: shut the executor down after the generator's constructor failed")
+    except Exception:
+        logger.warning("vllm-compat: could not shut the executor down after a failed constructor", exc_info=True)
+    return True
+
+
+def vocab_size(generator: Any) -> int | None:
+    try:
+        return int(generator.vllm_config.model_config.get_vocab_size())
+    except Exception:  # an unknown config shape: skip the range check rather than guess
+        return None
+
+
+def check_token_ids(token_ids: Any, vocab: int | None) -> None:
+    """Raise ValueError/TypeError unless ``token_ids`` is a non-empty batch of non-empty sequences of valid ids."""
+    torch = _torch()
+    if torch is not None and isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 2:
+            raise ValueError(
+                f"{WHERE}: a tensor of token ids must have shape [batch, seq_len]; got shape {tuple(token_ids.shape)}"
+            )
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+            raise TypeError(f"{WHERE}: a tensor of token ids must have an integer dtype; got {token_ids.dtype}")
+        if token_ids.shape[0] == 0:
+            raise ValueError(f"{WHERE}: the batch is empty (shape {tuple(token_ids.shape)}); pass a sequence")
+        if token_ids.shape[1] == 0:
+            raise ValueError(f"{WHERE}: the sequences are empty (shape {tuple(token_ids.shape)}); vLLM needs a token")
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or (vocab is not None and high >= vocab):  # find and name the offending sequence
+            for i, row in enumerate(token_ids):
+                _check_range(i, row.tolist(), vocab)
+        return
+    if not isinstance(token_ids, list | tuple):
+        raise TypeError(f"{WHERE}: expected list[list[int]] or a 2-D tensor; got {type(token_ids).__name__}")
+    if not token_ids:
+        raise ValueError(f"{WHERE}: the batch is empty; pass at least one sequence of token ids")
+    for i, seq in enumerate(token_ids):
+        if torch is not None and isinstance(seq, torch.Tensor):
+            if seq.dim() != 1 or seq.dtype.is_floating_point or seq.dtype.is_complex or seq.dtype == torch.bool:
+                raise TypeError(
+                    f"{WHERE}: sequence {i} is a tensor of shape {tuple(seq.shape)} and dtype {seq.dtype}; "
+                    "each sequence must be a 1-D integer tensor or a list of ints"
+                )
+            seq = seq.tolist()
+        if not isinstance(seq, list | tuple):
+            hint = " (a single sequence must be wrapped in a list: generate([ids]))" if _is_int(seq) else ""
+            raise TypeError(f"{WHERE}: item {i} is {seq!r:.60} ({type(seq).__name__}), not a sequence{hint}")
+        if not seq:
+            raise ValueError(
+                f"{WHERE}: sequence {i} is empty; every sequence needs at least one token "
+                "(vLLM's scheduler cannot run an empty prompt)"
+            )
+        for j, token in enumerate(seq):
+            if not _is_int(token):
+                raise TypeError(
+                    f"{WHERE}: sequence {i} holds {token!r:.60} ({type(token).__name__}) at position {j}; "
+                    "token ids must be ints"
+                )
+        _check_range(i, seq, vocab)
+
+
+def _check_range(i: int, seq: list[Any], vocab: int | None) -> None:
+    low, high = min(seq), max(seq)
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        shown = f"[0, {vocab})" if vocab is not None else "non-negative"
+        raise ValueError(
+            f"{WHERE}: sequence {i} holds token id {bad} at position {list(seq).index(bad)}, "
+            f"outside the model's vocabulary {shown}"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")  # speculators imported it already; never import it here
+
+
+def abort_leftovers(generator: Any, call: int) -> None:
+    """Abort the requests a failed ``generate()`` call left in the scheduler (ids ``req_{call}_{i}``)."""
+    scheduler = getattr(generator, "scheduler", None)
+    requests = getattr(scheduler, "requests", None)
+    if not isinstance(requests, dict):
+        return
+    prefix = f"req_{call}_"
+    left = [rid for rid in list(requests) if isinstance(rid, str) and rid.startswith(prefix)]
+    if not left:
+        return
+    finish = scheduler.finish_requests
+    finish = getattr(finish, "__wrapped__", finish)  # past a deferring wrapper (defer-abort-until-prefilled)
+    try:
+        from vllm.v1.request import RequestStatus
+
+        finish(left, RequestStatus.FINISHED_ABORTED)
+        logger.info("vllm-compat: aborted %d request(s) left by a failed generate() call", len(left))
+    except Exception:  # the scheduler is beyond repair (e.g. the engine died): the original error says why
+        logger.warning("vllm-compat: could not abort the requests of a failed generate() call", exc_info=True)

@@ -1,0 +1,145 @@
+"""What a user sees when an adapter fails at hook time, and the generator-side checks that need no vLLM.
+
+Hook-time failures use the throwaway target, adapter and probe of test_engine.py. The checks of ``generate()``'s
+and the constructor's arguments (adapters/inputs.py) are pure functions; their tensor paths and their effect on a
+real engine are tested in tests/e2e/test_bad_input.py.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+from vllm_compat.adapters import inputs
+
+from tests.unit import test_engine as base
+from vllm_compat.adapter import Adapter
+from vllm_compat.errors import AdapterError
+
+sandbox = base.sandbox
+
+
+def add_adapter(apply) -> type[Adapter]:
+    class Failing(Adapter):
+        """Raises from apply() after patching half of what it meant to."""
+
+        id = "test-failing"
+        always = "test"
+        target = base.TARGET
+
+        def apply(self, module: types.ModuleType) -> None:
+            apply(self, module)
+
+    return Failing
+
+
+def test_a_refusing_adapter_says_why_not_could_not_patch(sandbox) -> None:
+    engine, _ = sandbox
+
+    def refuse(self, module) -> None:
+        self.set_attr(module, "extra", 1)
+        raise AdapterError("SETTING=1 selects a mode this adapter cannot serve. Unset SETTING.")
+
+    add_adapter(refuse)
+    engine.install()
+    with pytest.raises(AdapterError) as caught:
+        import vc_test_target  # noqa: F401
+    assert str(caught.value) == (
+        f"vllm-compat adapter test-failing refused to patch {base.TARGET}: "
+        "SETTING=1 selects a mode this adapter cannot serve. Unset SETTING."
+    )
+    assert base.TARGET not in sys.modules  # the import failed as a whole
+    assert "test-failing" not in engine.applied
+
+
+def test_an_adapter_that_breaks_names_the_error_and_reverts(sandbox) -> None:
+    engine, _ = sandbox
+    import vc_test_target
+
+    def broken(self, module) -> None:
+        self.set_attr(module, "extra", 1)
+        raise KeyError("thing")
+
+    add_adapter(broken)
+    with pytest.raises(AdapterError) as caught:
+        engine.install()  # the target is imported already: the hook runs now
+    message = str(caught.value)
+    assert message.startswith(f"vllm-compat adapter test-failing could not patch {base.TARGET}: KeyError: 'thing'.")
+    assert "Run `vllm-compat probe` and report its output" in message
+    assert not hasattr(vc_test_target, "extra"), "the half-applied patch was not reverted"
+
+
+# -- generate()'s input, without torch -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("token_ids", "error", "text"),
+    [
+        ([], ValueError, "the batch is empty"),
+        ((), ValueError, "the batch is empty"),
+        ([[]], ValueError, "sequence 0 is empty"),
+        ([[5, 6], []], ValueError, "sequence 1 is empty"),
+        ([[5, 6, 512]], ValueError, "sequence 0 holds token id 512 at position 2, outside the model's vocabulary"),
+        ([[5], [5, -3]], ValueError, "sequence 1 holds token id -3 at position 1"),
+        ([[5, "6"]], TypeError, "sequence 0 holds '6' (str) at position 1; token ids must be ints"),
+        ([[5, 6.0]], TypeError, "holds 6.0 (float) at position 1"),
+        ([[5, True]], TypeError, "holds True (bool) at position 1"),
+        ([5, 6, 7], TypeError, "item 0 is 5 (int), not a sequence (a single sequence must be wrapped in a list"),
+        ("5 6 7", TypeError, "expected list[list[int]] or a 2-D tensor; got str"),
+        (None, TypeError, "got NoneType"),
+        ([{"ids": [1]}], TypeError, "item 0 is {'ids': [1]} (dict), not a sequence"),
+    ],
+)
+def test_bad_token_ids(token_ids, error, text) -> None:
+    with pytest.raises(error) as caught:
+        inputs.check_token_ids(token_ids, 512)
+    assert str(caught.value).startswith("VllmHiddenStatesGenerator.generate(token_ids): ")
+    assert text in str(caught.value)
+
+
+@pytest.mark.parametrize("token_ids", [[[0]], [[5, 6, 511], (7,)], [[10**6]]])
+def test_good_token_ids(token_ids) -> None:
+    inputs.check_token_ids(token_ids, None if token_ids == [[10**6]] else 512)  # no vocabulary known: no range check
+
+
+def test_a_long_sequence_is_left_to_speculators() -> None:
+    """speculators truncates to max_model_len - 1; the check does not second-guess it."""
+    inputs.check_token_ids([list(range(5, 500)) * 100], 512)
+
+
+@pytest.mark.parametrize(
+    ("layer_ids", "ok"), [(None, True), ([0, 2, 3], True), ([2, 2], False), ([0, 3, 0], False), ([[1], [1]], True)]
+)
+def test_layer_ids(layer_ids, ok) -> None:
+    if ok:
+        inputs.check_layer_ids(layer_ids)  # (unhashable ids are left to speculators' own check)
+    else:
+        with pytest.raises(ValueError, match=r"is requested more than once.*Pass distinct layer ids"):
+            inputs.check_layer_ids(layer_ids)
+
+
+def test_model_path(tmp_path) -> None:
+    inputs.check_model_path(str(tmp_path))
+    inputs.check_model_path("meta-llama/Llama-3.1-8B")  # a hub id: left to transformers
+    with pytest.raises(FileNotFoundError, match=r"model_path='/no/such/model'\): no such file or folder"):
+        inputs.check_model_path("/no/such/model")
+    with pytest.raises(FileNotFoundError):
+        inputs.check_model_path("./no-such-model-here")
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.shut = 0
+        self.is_failed = False
+
+    def shutdown(self) -> None:
+        self.shut += 1
+
+
+def test_executor_gone_and_shutdown_after_a_failed_constructor() -> None:
+    generator = types.SimpleNamespace(executor=_Executor())
+    assert not inputs.executor_gone(generator)
+    generator.executor.is_failed = True
+    assert inputs.executor_gone(generator)
+    inputs.shut_down_executor(generator)
+    assert generator.executor.shut == 1
+    inputs.shut_down_executor(types.SimpleNamespace())  # no executor yet: nothing to do
