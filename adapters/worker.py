@@ -8,6 +8,7 @@ from types import ModuleType
 from typing import Any
 
 from vllm_compat.adapters._kit import WORKER_MODULE
+from vllm_compat.probes.model import FAMILIES
 
 from vllm_compat.adapter import Adapter
 from vllm_compat.errors import AdapterError
@@ -17,24 +18,32 @@ _REQUEST_INDEX = re.compile(r"_(\d+)$")
 
 
 def base_model_of(model: Any) -> Any:
-    """The module holding the decoder layers: the language model of a multimodal wrapper, else ``model.model``."""
+    """The module holding the decoder layers: the language model of a multimodal wrapper, else ``model.model``.
+
+    A wrapper's language model is usually a CausalLM whose ``.model`` holds the layers; in some releases (Kimi-K2.5
+    in vLLM 0.15.0) it holds the layers itself.
+    """
     if hasattr(model, "get_language_model"):
-        return model.get_language_model().model
+        language_model = model.get_language_model()
+        inner = getattr(language_model, "model", None)
+        if inner is None and hasattr(language_model, "layers"):
+            return language_model
+        return language_model.model
     return model.model
 
 
 class EmbeddingMethodAlias(Adapter):
     """The base model's embedding method was renamed.
 
-    What broke: vLLM 0.11.1 renamed ``LlamaModel.get_input_embeddings`` to ``embed_input_ids`` (and other
-    families alike). speculators 0.3.0's patched forward calls ``get_input_embeddings`` (AttributeError on the
+    What broke: vLLM 0.11.1 renamed ``LlamaModel.get_input_embeddings`` to ``embed_input_ids`` (and every family
+    of probes/model.py alike). speculators 0.3.0's patched forward calls ``get_input_embeddings`` (AttributeError on the
     first batch); 0.4.0.1 calls ``embed_input_ids``, missing on 0.11.0.
     Where fixed: the base model instance in the worker, right after speculators patched its forward: the missing
     name is bound to the one the model has.
     """
 
     id = "embedding-method-alias"
-    covers = {"model.embedding_method": {"embed_input_ids", "get_input_embeddings"}}
+    covers = {f"{family.prefix}.embedding_method": {"embed_input_ids", "get_input_embeddings"} for family in FAMILIES}
     target = WORKER_MODULE
     side = "worker"
     first_vllm = "0.11.1"

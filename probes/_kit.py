@@ -14,6 +14,7 @@ __all__ = [
     "V040",
     "call_probe",
     "calls",
+    "check_call",
     "evidence",
     "first_found",
     "import_probe",
@@ -115,6 +116,9 @@ def _check_call(params: Sequence[Param], passed: Sequence[str], positional: int)
     ]
     missing = [p.name for p in named if p.required and p.name not in passed and p.name not in filled_by_position]
     return rejected, missing
+
+
+check_call = _check_call  # (rejected keyword names, required parameters left unfilled) for a call shape
 
 
 def call_probe(

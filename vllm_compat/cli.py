@@ -49,6 +49,18 @@ def _parser() -> argparse.ArgumentParser:
         choices=sorted(SPECULATORS_LINES),
         help="the speculators release to judge for (default: the installed one, or both)",
     )
+    probe.add_argument(
+        "--family",
+        action="append",
+        metavar="NAME",
+        help="a model family whose model-side facts to judge (repeatable; 'all' for every family; "
+        "default: llama, or --model's families)",
+    )
+    probe.add_argument(
+        "--model",
+        metavar="PATH|HUB_ID",
+        help="judge the model families of this model (the architectures in its config.json)",
+    )
     probe.add_argument("--json", action="store_true", help="print the JSON report (docs/json-report.md)")
     probe.add_argument("--strict", action="store_true", help="count unknown findings as unhandled")
     probe.add_argument("-v", "--verbose", action="store_true", help="show details of baseline facts too")
@@ -68,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def probe_plan(source: str | None, speculators: str | None = None):
+def probe_plan(source: str | None, speculators: str | None = None, families=None):
     """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM) judged for ``speculators``
-    (None: the installed speculators' line, or both lines). Raises SourceError when there is nothing to probe."""
+    (None: the installed speculators' line, or both lines) and the model ``families`` (None: the default, "all",
+    or names). Raises SourceError when there is nothing to probe."""
     from vllm_compat.plan import make_plan
     from vllm_compat.sources import open_view
 
@@ -78,14 +91,31 @@ def probe_plan(source: str | None, speculators: str | None = None):
         raise SourceError(f"unknown speculators line {speculators!r}; choose one of {', '.join(SPECULATORS_LINES)}")
     installed = speculators_line(installed_version("speculators"))
     lines: tuple[str, ...] = (speculators,) if speculators else (installed,) if installed else tuple(SPECULATORS_LINES)
-    return make_plan(open_view(source), lines)
+    try:
+        return make_plan(open_view(source), lines, families=families)
+    except ValueError as exc:  # an unknown family name
+        raise SourceError(str(exc)) from exc
+
+
+def _families(args: argparse.Namespace):
+    """The model families ``--family`` and ``--model`` ask for (None: the plan's default)."""
+    from vllm_compat.models import architectures_of, model_families
+
+    names = list(args.family or [])
+    if "all" in names:
+        return "all"
+    if args.model:
+        if architectures_of(args.model) is None:
+            raise SourceError(f"cannot read the architectures of {args.model} (its config.json)")
+        names += model_families(args.model) or []
+    return names or None
 
 
 def _probe(args: argparse.Namespace) -> int:
     from vllm_compat.report import render_json, render_table
 
     installed = installed_version("speculators")
-    plan = probe_plan(args.source, args.speculators)
+    plan = probe_plan(args.source, args.speculators, _families(args))
     if args.json:
         print(render_json(plan, str(installed) if installed and not args.speculators else None, args.strict))
     else:

@@ -23,6 +23,7 @@ from vllm_compat import plugin
 from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, State
+from vllm_compat.models import ENV_FAMILIES, active_families, model_families
 from vllm_compat.patching import Patch, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.versions import installed_version, speculators_line
@@ -90,6 +91,7 @@ class _Engine:
             self.observations.clear()
             self._view = None
             os.environ.pop(ENV_ACTIVE, None)
+            os.environ.pop(ENV_FAMILIES, None)
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -193,6 +195,9 @@ class _Engine:
         probe = load_probes().get(probe_id)
         if probe is None or not probe.applies_to(line):
             return None
+        active = active_families()
+        if probe.family and active is not None and probe.family not in active:
+            return None  # a fact about another model family than the one being loaded
         plan = make_plan(self.view(), (line,), [probe_id], cache=self.observations)
         return plan.findings[0] if plan.findings else None
 
@@ -204,19 +209,25 @@ class _Engine:
             return
 
         def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-            self.check(where=f"{GUARD_PATH} (before the model loads)")
+            families = model_families(kwargs.get("model_path", args[0] if args else None))
+            if families:  # the workers judge (and adapt) this model's family only
+                os.environ[ENV_FAMILIES] = ",".join(families)
+            else:
+                os.environ.pop(ENV_FAMILIES, None)
+            self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
             return wrapped(*args, **kwargs)
 
         self.guard = wrap(module, GUARD_PATH, guarded_init, "drift guard")
 
-    def check(self, where: str) -> None:
-        """Raise UnhandledDrift if the installed vLLM has drift no adapter covers."""
+    def check(self, where: str, families: Iterable[str] | None = None) -> None:
+        """Raise UnhandledDrift if the installed vLLM has drift no adapter covers (for the model families given:
+        those of the model being loaded; by default the plan's)."""
         if not self.installed:
             return
         line = speculators_line(installed_version("speculators"))
         if line is None:
             return
-        plan = make_plan(self.view(), (line,), None, cache=self.observations)
+        plan = make_plan(self.view(), (line,), None, cache=self.observations, families=families)
         if not plan.ok:
             for f in plan.unhandled:
                 logger.error("vllm-compat: unhandled drift %s: %s", f.probe, f.observed)

@@ -59,6 +59,7 @@ class Probe:
     observe: Callable[[ApiView], Observation]
     accepts: Mapping[str, frozenset[str]] = field(default_factory=dict)
     surface: str = ""  # the vLLM surface (module of probes/) this fact belongs to
+    family: str = ""  # the model family a model-side fact is about ("" for facts every model meets)
 
     def applies_to(self, line: str) -> bool:
         return line in self.expected
@@ -119,8 +120,13 @@ def probe(
     summary: str,
     expected: Mapping[str, str],
     accepts: Mapping[str, set[str] | frozenset[str]] | None = None,
+    family: str = "",
 ) -> Callable[[Callable[[ApiView], Observation]], Probe]:
-    """Register ``fn(view) -> Observation`` as a probe. Used as a decorator in ``probes/``."""
+    """Register ``fn(view) -> Observation`` as a probe. Used as a decorator in ``probes/``.
+
+    ``family`` names the model family (probes/model.py) a model-side fact is about; a plan judges a family's
+    facts only when that family is asked for (see ``make_plan``).
+    """
 
     def register(fn: Callable[[ApiView], Observation]) -> Probe:
         if id in _REGISTRY:
@@ -134,6 +140,7 @@ def probe(
             observe=fn,
             accepts={k: frozenset(v) for k, v in (accepts or {}).items()},
             surface=surface,
+            family=family,
         )
         _REGISTRY[id] = made
         return made

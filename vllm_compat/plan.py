@@ -11,9 +11,13 @@ from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.apiview import ApiView
 from vllm_compat.findings import Finding, Observation, Probe, State, registered_probes
 
-__all__ = ["Plan", "judge", "load_probes", "make_plan"]
+__all__ = ["ALL_FAMILIES", "DEFAULT_FAMILIES", "Plan", "judge", "load_probes", "make_plan"]
 
 SCHEMA_VERSION = 1
+# Model-side facts come per model family (probes/model.py). A plan judges the families it is asked for; without a
+# model to go by, the Llama family: the decoder speculators' worker extension was written against.
+DEFAULT_FAMILIES: tuple[str, ...] = ("llama",)
+ALL_FAMILIES = "all"
 
 
 def load_probes() -> dict[str, Probe]:
@@ -33,6 +37,7 @@ class Plan:
     source: str  # "live" | "static"
     lines: tuple[str, ...]
     findings: list[Finding] = field(default_factory=list)
+    families: tuple[str, ...] = DEFAULT_FAMILIES  # the model families whose facts were judged
 
     @property
     def unhandled(self) -> list[Finding]:
@@ -70,6 +75,7 @@ class Plan:
             "speculators_version": speculators_installed or (self.lines[0] if len(self.lines) == 1 else None),
             "speculators_lines": list(self.lines),
             "source": self.source,
+            "families": list(self.families),
             "findings": [f.to_json() for f in self.findings],
             "adapters": self.adapters,
             "unhandled": sorted({f.probe for f in self.unhandled_drift}),
@@ -107,15 +113,29 @@ def make_plan(
     lines: Sequence[str],
     probe_ids: Iterable[str] | None = None,
     cache: dict[str, Observation] | None = None,
+    families: Iterable[str] | str | None = None,
 ) -> Plan:
     """Run the probes (all, or ``probe_ids``) once and judge them for every line in ``lines``.
 
-    ``cache`` (probe id -> observation) lets a process observe each fact at most once.
+    ``cache`` (probe id -> observation) lets a process observe each fact at most once. ``families`` picks the
+    model families whose facts are judged (default ``DEFAULT_FAMILIES``; ``"all"`` for every family); probes
+    named in ``probe_ids`` are judged whatever their family.
     """
     probes = load_probes()
     adapters = list(load_adapters().values())
-    wanted = list(probe_ids) if probe_ids is not None else list(probes)
-    plan = Plan(vllm_version=view.version(), source=view.kind, lines=tuple(lines))
+    known = list(dict.fromkeys(p.family for p in probes.values() if p.family))
+    if families == ALL_FAMILIES:
+        chosen = tuple(known)
+    else:
+        chosen = tuple(dict.fromkeys(DEFAULT_FAMILIES if families is None else families))
+        strangers = [f for f in chosen if f not in known]
+        if strangers and families is not None and probe_ids is None:
+            raise ValueError(f"unknown model families {strangers}; known: {', '.join(known)}")
+    if probe_ids is not None:
+        wanted = list(probe_ids)
+    else:
+        wanted = [pid for pid, p in probes.items() if not p.family or p.family in chosen]
+    plan = Plan(vllm_version=view.version(), source=view.kind, lines=tuple(lines), families=chosen)
     for probe_id in wanted:
         probe = probes[probe_id]
         if not any(probe.applies_to(line) for line in lines):

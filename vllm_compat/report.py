@@ -17,6 +17,7 @@ def render_json(plan: Plan, speculators_installed: str | None, strict: bool) -> 
 
 def render_table(plan: Plan, origin: str, strict: bool, verbose: bool = False) -> str:
     out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({plan.source}: {origin})"]
+    out.append(f"model families judged: {', '.join(plan.families)} (--model or --family all for others)")
     for line in plan.lines:
         findings = [f for f in plan.findings if f.speculators == line]
         out.append("")

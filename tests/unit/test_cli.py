@@ -29,6 +29,7 @@ TOP_KEYS = {
     "speculators_version",
     "speculators_lines",
     "source",
+    "families",
     "findings",
     "adapters",
     "unhandled",
