@@ -202,7 +202,7 @@ class _Engine:
         return plan.findings[0] if plan.findings else None
 
     def _install_guard(self, module: ModuleType) -> None:
-        if self.guard is not None and self.guard.is_current():
+        if self.guard is not None and self.guard.is_in_place():  # adapters may have wrapped it since
             return
         owner = getattr(module, GUARD_PATH.split(".")[0], None)
         if owner is None:

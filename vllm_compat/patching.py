@@ -34,6 +34,17 @@ class Patch:
     def is_current(self) -> bool:
         return _own_attr(self.owner, self.name) is self.replacement
 
+    def is_in_place(self) -> bool:
+        """Whether the replacement is in effect: the attribute itself, or wrapped by patches applied after it."""
+        current = _own_attr(self.owner, self.name)
+        for _ in range(64):  # a chain of wrappers, outermost first
+            if current is self.replacement:
+                return True
+            if current is _ABSENT or current is None:
+                return False
+            current = getattr(current, "__wrapped__", None)
+        return False
+
     def revert(self) -> bool:
         """Restore the original; False (and a log line) if someone replaced our replacement."""
         if not self.is_current():
