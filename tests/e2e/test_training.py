@@ -251,11 +251,17 @@ print("ok")
         ("speculator-config-validate", "save TypeError"),
     ],
 )
-def test_each_config_adapter_is_needed(off: str, fails_at: str) -> None:
+def test_each_config_adapter_is_needed(off: str, fails_at: str, tmp_path: Path) -> None:
     """Under transformers 5, each speculator-config adapter is what makes its step work; under 4 none is needed."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
-    done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ONE, off], env=env, capture_output=True, text=True, timeout=600, check=False
+    done = subprocess.run(  # cwd: not the checkout, whose vllm_compat/ folder would shadow the installed package
+        [sys.executable, "-c", WITHOUT_ONE, off],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     got = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
     if _transformers_major() < 5:
