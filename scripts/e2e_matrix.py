@@ -122,7 +122,7 @@ def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
         # vLLM 0.11's CPU attention needs IPEX for a prefill that continues a cached context (chunked prefill)
         pip(venv, "--no-deps", "intel_extension_for_pytorch==2.8.0")
     add_cpu_alias(venv, version)
-    pip(venv, "--no-deps", str(ROOT))
+    pip(venv, str(ROOT))  # with its two dependencies (packaging, wrapt); vLLM and torch are left as they are
 
 
 def add_cpu_alias(venv: Path, version: str) -> None:
@@ -143,7 +143,7 @@ def build_full_env(venv: Path, version: str) -> None:
     """A venv holding the real vllm wheel and its pinned dependencies (for releases without a CPU build)."""
     run([sys.executable, "-m", "venv", str(venv)])
     pip(venv, f"vllm=={version}", "loguru", "pytest", timeout=3000)
-    pip(venv, "--no-deps", str(ROOT))
+    pip(venv, str(ROOT))  # with its two dependencies (packaging, wrapt); vLLM and torch are left as they are
 
 
 def install_speculators(venv: Path, line: str, target: Path) -> None:
@@ -179,7 +179,8 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
             "importlib.import_module('speculators.data_generation.vllm_hidden_states_generator'); "
             "importlib.import_module('speculators.data_generation.custom_worker'); print('imports ok')"
         )
-        done = run([str(venv / "bin" / "python"), "-c", check], env=env, check=False, timeout=900)
+        # -P: import the installed vllm_compat, not the checkout's source folder (the working directory)
+        done = run([str(venv / "bin" / "python"), "-P", "-c", check], env=env, check=False, timeout=900)
         cell.passed = done.returncode == 0 and cell.probe_exit == 0
         cell.tests = "imports ok" if done.returncode == 0 else "import failed"
         cell.error = "" if done.returncode == 0 else done.stderr[-2000:]
