@@ -143,6 +143,8 @@ class _Engine:
         speculators binds vLLM names at import time, so the import statement is the first call a moved or removed
         name affects. A module ``__getattr__`` (PEP 562) answers for the missing names only.
         """
+        if module.__name__ in self.name_guards:  # guarded already (hasattr would now raise the guard's error)
+            return
         missing = {}
         for probe_id, name in _imported_names().get(module.__name__, ()):
             if not hasattr(module, name):

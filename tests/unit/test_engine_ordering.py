@@ -73,3 +73,24 @@ def test_import_then_install_twice(generator_module) -> None:
     engine.install()
     engine.uninstall()
     assert vc_test_generator.VllmHiddenStatesGenerator.__dict__["__init__"] is raw
+
+
+def test_strict_install_after_a_missing_name_was_guarded(sandbox) -> None:
+    """install(strict=True) after the missing-name guard is in place reports the drift itself (not the guard's error
+    escaping from hasattr), and the live view sees the guarded name as missing, not as a failed probe."""
+    from vllm_compat.probes._kit import import_probe
+
+    from vllm_compat.errors import UnhandledDrift
+    from vllm_compat.findings import State
+
+    engine, _ = sandbox
+    import_probe(base.TARGET, "gone", ["0.4.0.1"])
+    engine.install()
+    import vc_test_target  # noqa: F401  (the guard now answers for `gone`)
+
+    engine.observations.clear()  # observe again, through the guard
+    with pytest.raises(UnhandledDrift) as caught:
+        engine.install(strict=True)
+    assert caught.value.where == "install(strict=True)"
+    (gone,) = [f for f in caught.value.findings if f.probe == f"import.{base.TARGET}.gone"]
+    assert gone.state is State.DRIFTED and gone.variant == "missing"

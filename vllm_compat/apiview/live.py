@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm_compat.apiview import Location, Param, Source, split_dotted
 from vllm_compat.apiview._ast import class_body_binding, first_line
+from vllm_compat.errors import UnhandledDrift
 from vllm_compat.versions import installed_version
 
 __all__ = ["LiveView"]
@@ -179,7 +180,7 @@ class LiveView:
         for attr in rest:
             try:
                 obj = inspect.getattr_static(obj, attr) if inspect.isclass(obj) else getattr(obj, attr)
-            except AttributeError:
+            except (AttributeError, UnhandledDrift):  # (vllm-compat's own missing-name guard answers for a name)
                 return _MISSING, module, ".".join(rest)
             if isinstance(obj, staticmethod | classmethod):
                 obj = obj.__func__
