@@ -89,6 +89,9 @@ def e2e_text(cell: dict | None) -> str:
     if cell.get("kind") == "import":
         return "imports pass" if cell.get("passed") else "**imports fail**"
     parts = ["**pass**" if cell.get("passed") else "**FAIL**"]
+    tests = str(cell.get("tests") or "").split(" in ")[0]
+    if not cell.get("passed") and tests:
+        parts[0] += f" ({tests})"
     if numbers.get("max_abs_diff") is not None:
         parts.append(f"max diff {numbers['max_abs_diff']:.1e}")
     if numbers.get("training_steps"):

@@ -60,7 +60,8 @@ def test_compatibility_page_from_real_wheels_and_an_e2e_report(gen_docs, tmp_pat
             [
                 {"speculators": "0.4.0.1", "vllm": "0.17.0", "kind": "e2e", "passed": True,
                  "numbers": {"max_abs_diff": 3.6e-06, "training_steps": 1}},
-                {"speculators": "0.3.0", "vllm": "0.17.0", "kind": "e2e", "passed": False, "numbers": {}},
+                {"speculators": "0.3.0", "vllm": "0.17.0", "kind": "e2e", "passed": False, "numbers": {},
+                 "tests": "1 failed, 9 passed in 12.0s"},
             ]
         )
     )  # fmt: skip
@@ -71,7 +72,7 @@ def test_compatibility_page_from_real_wheels_and_an_e2e_report(gen_docs, tmp_pat
     assert rows["0.12.0"].split(" | ")[2] == "baseline"
     assert "covered (" in rows["0.12.0"].split(" | ")[1]
     # 0.17.0 removed Request's eos_token_id: both lines drift, covered
-    assert "| **FAIL** | **pass**, max diff 3.6e-06, trained 1 step |" in rows["0.17.0"]
+    assert "| **FAIL** (1 failed, 9 passed) | **pass**, max diff 3.6e-06, trained 1 step |" in rows["0.17.0"]
     assert "`request.request_kwargs` | 0.17.0: `rejects=eos_token_id` | 0.17.0: `rejects=eos_token_id` |" in page
     by_release = page.split("## Adapters by release")[1]
     (changes,) = [line for line in by_release.splitlines() if line.startswith("| 0.17.0 |")]
