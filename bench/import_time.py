@@ -25,8 +25,9 @@ print(json.dumps({{"ms": ms, "vllm": "vllm" in sys.modules, "torch": "torch" in 
 
 
 def sample(module: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE.format(module=module)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(module=module)], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout)
 
 
@@ -42,8 +43,10 @@ def main() -> int:
         heavy |= got["vllm"] or got["torch"]
         deps.append(sample("wrapt, packaging.version")["ms"])
     med, dep = statistics.median(ours), statistics.median(deps)
-    print(f"import vllm_compat: median {med:.1f} ms, p90 {sorted(ours)[int(0.9 * len(ours))]:.1f} ms "
-          f"over {args.samples} fresh interpreters (target < 50 ms)")
+    print(
+        f"import vllm_compat: median {med:.1f} ms, p90 {sorted(ours)[int(0.9 * len(ours))]:.1f} ms "
+        f"over {args.samples} fresh interpreters (target < 50 ms)"
+    )
     print(f"import wrapt, packaging.version (the dependencies alone): median {dep:.1f} ms")
     print(f"ratio vllm_compat / dependencies: {med / dep:.2f}x")
     print(f"imports vLLM or torch: {'YES' if heavy else 'no'}")
