@@ -22,7 +22,7 @@ from vllm_compat.errors import AdapterError
 
 _SETUP = "HiddenStatesWorkerExtension._setup_hidden_states_capture"
 _WRAPPERS = [f for f in FAMILIES if len(f.hops) > 1]  # multimodal wrappers around a language model
-_TOP_CLASSES = frozenset(f.short(f.top) for f in FAMILIES)
+_TOP_CLASSES = frozenset(name for f in FAMILIES for name in (f.short(f.top), *f.architectures))
 _LLAMA_4_SCALING = {"extra=llama_4_scaling", "extra=llama_4_scaling;sequence_parallel_gather"}
 
 
