@@ -164,11 +164,12 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
             assert probe in done.stderr
         _record(f"family_{family}", f"refused before loading: {', '.join(verdict['unhandled'])}")
         return
-    if done.returncode != 0 and family != "qwen3" and _cpu_backend_limit(done.stderr):
-        why = _last_error(done.stderr)
+    output = done.stdout + done.stderr  # vLLM's workers log their errors on stdout
+    if done.returncode != 0 and family != "qwen3" and _cpu_backend_limit(output):
+        why = _last_error(output)
         _record(f"family_{family}", f"vLLM's CPU build cannot run it: {why}")
         pytest.skip(f"vLLM's CPU build cannot run {family}: {why}")
-    assert done.returncode == 0, done.stderr[-6000:]
+    assert done.returncode == 0, output[-6000:]
     import torch
 
     data = torch.load(tmp_path / "out.pt", weights_only=False)
@@ -178,11 +179,14 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     assert diff < TOLERANCE
 
 
-def _last_error(stderr: str) -> str:
-    """The last line naming an exception (the root cause vLLM's workers print), else the last line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if re.search(r"\b\w*(Error|Exception)\b:?", line) and "Traceback" not in line]
-    return (errors or lines or ["?"])[-1][-300:]
+def _last_error(output: str) -> str:
+    """The root error: the last exception a vLLM worker logged, else the last exception line, else the last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    found = [(line, m) for line in lines if (m := re.search(r"\b\w+(?:Error|Exception): .*", line))]
+    in_worker = [pair for pair in found if "Worker pid=" in pair[0] or "Worker-" in pair[0]]
+    if in_worker or found:
+        return (in_worker or found)[-1][1].group(0)[-300:]
+    return lines[-1][-300:] if lines else "?"
 
 
 def _cpu_backend_limit(stderr: str) -> bool:
