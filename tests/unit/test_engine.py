@@ -29,6 +29,11 @@ def original(x: int) -> int:
 @pytest.fixture()
 def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Fresh engine, registries holding only the test adapter and probe, and speculators 0.4.0.1 'installed'."""
+    # import every real probe and adapter module first, so none registers into the sandbox's registries later
+    adapter_module.load_adapters()
+    from vllm_compat.plan import load_probes
+
+    load_probes()
     monkeypatch.setattr(adapter_module, "_REGISTRY", {})
     monkeypatch.setattr(findings_module, "_REGISTRY", {})
     monkeypatch.setattr(adapter_module, "load_adapters", lambda: adapter_module._REGISTRY)
