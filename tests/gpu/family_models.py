@@ -89,7 +89,7 @@ class KimiK25Config(PretrainedConfig):
         super().__init__(**kwargs)
 '''
 
-_KIMI_IMAGE_PROCESSOR_PY = '''"""Stand-in for Kimi-K2.5's image processor remote code: what vLLM reads for text prompts."""
+_KIMI_IMAGE_PROCESSOR_PY = '''"""Stand-in for Kimi-K2.5's image processor remote code (text prompts only)."""
 from transformers.image_processing_utils import BaseImageProcessor
 
 
