@@ -112,6 +112,39 @@ def _flatten(items):
             yield item
 
 
+def _transfer_stats(worker=None) -> dict:
+    """The worker's last hand-over of states through shared memory (empty where that adapter is not active)."""
+    try:
+        from vllm_compat.adapters import transfer
+    except ImportError:
+        return {}
+    return dict(transfer._ARENA.stats)
+
+
+def _time_phases(generator, seconds: dict) -> dict:
+    """Time the scheduler and the engine steps of ``generate()`` from the parent (instance attributes only)."""
+    phases: dict = {}
+
+    def timed(owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def call(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - start, 4)
+
+        setattr(owner, name, call)
+
+    timed(generator.scheduler, "schedule")
+    timed(generator.scheduler, "add_request")
+    timed(generator.executor, "execute_model")
+    if hasattr(generator.executor, "sample_tokens"):
+        timed(generator.executor, "sample_tokens")
+    return phases
+
+
 def _reset_peak(worker=None) -> None:
     import torch
 
@@ -157,6 +190,7 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
     log(out, "extract", f"generator ready in {init:.1f}s; layers {generator.layer_ids}")
     executor = generator.executor
     rpc_seconds: dict[str, float] = {}
+    marks: dict[str, float] = {}
     original_rpc = executor.collective_rpc
 
     def timed_rpc(method, *a, **kw):
@@ -165,29 +199,53 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
             return original_rpc(method, *a, **kw)
         finally:
             if isinstance(method, str):
-                rpc_seconds[method] = rpc_seconds.get(method, 0.0) + time.perf_counter() - start
+                marks[method] = time.perf_counter()
+                rpc_seconds[method] = rpc_seconds.get(method, 0.0) + marks[method] - start
 
     executor.collective_rpc = timed_rpc
+    phases = _time_phases(generator, rpc_seconds)  # scheduler and engine steps, timed from the parent
     calls = prompt_calls(args)
-    times, collect = [], []
+    times, collect, after, worker_pack, breakdown = [], [], [], [], []
+    results = []
     for i, call in enumerate(calls):
         if i == args.warmup_calls:
             executor.collective_rpc(_reset_peak)
             _reset_peak()
         rpc_seconds.clear()
+        marks.clear()
         start = time.perf_counter()
         results = generator.generate(call)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
         assert len(results) == len(call)
         for ids, result in zip(call, results, strict=True):
             assert result["input_ids"].tolist() == ids
             assert all(h.shape == (len(ids), generator.vllm_config.model_config.get_hidden_size())
                        for h in result["hidden_states"])
+        # after the states arrived: speculators copies them out (``.clone().cpu()``) and empties the CUDA cache
+        tail = end - marks.get("_get_captured_states", end)
+        pack = (original_rpc(_transfer_stats) or [{}])[0]  # the worker's side of the hand-over (outside the timing)
         if i >= args.warmup_calls:
             times.append(elapsed)
             collect.append(rpc_seconds.get("_get_captured_states", 0.0))
+            after.append(tail)
+            worker_pack.append(pack)
+            breakdown.append(dict(rpc_seconds))
+        got = rpc_seconds.get("_get_captured_states", 0.0)
         log(out, "extract", f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s "
-                            f"(collecting states {rpc_seconds.get('_get_captured_states', 0.0):.3f}s)")
+                            f"(collecting states {got:.3f}s, of it the worker's "
+                            f"copy into the arena {pack.get('seconds', float('nan')):.3f}s for "
+                            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}; "
+                            f"after it {tail:.3f}s; steps {phases})")
+        phases.clear()
+    # speculators' own copy of the returned states, timed alone: host tensors of the same sizes cloned once more
+    copy_seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        copies = [h.clone() for r in results for h in r["hidden_states"]]
+        copy_seconds.append(time.perf_counter() - start)
+        del copies
+    log(out, "extract", f"cloning one call's returned states again in this process: {min(copy_seconds):.3f}s")
     workers = executor.collective_rpc(_memory_report)
     parent = _memory_report()
     config = generator.vllm_config
@@ -207,7 +265,8 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
     applied = sorted(vllm_compat.status()["applied"])
     executor.shutdown()
     hidden = config.model_config.get_hidden_size()
-    return {"init_seconds": init, "call_seconds": times, "collect_seconds": collect,
+    return {"init_seconds": init, "call_seconds": times, "collect_seconds": collect, "after_collect_seconds": after,
+            "worker_pack": worker_pack, "rpc_breakdown": breakdown, "copy_states_seconds": min(copy_seconds),
             "layers": list(generator.layer_ids), "hidden": hidden, "engine": engine, "memory": workers[0],
             "parent_memory": parent, "applied": applied, "torch": torch.__version__}
 
@@ -361,6 +420,19 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         numbers["extract_without_collect_median_tokens_per_s"] = tokens / len(calls) / statistics.median(loop)
         if results.get("hf"):
             numbers["hf_forward_only_tokens_per_s"] = tokens / sum(results["hf"]["forward_seconds"])
+        if e.get("after_collect_seconds"):
+            numbers["extract_after_collect_fraction"] = sum(e["after_collect_seconds"]) / sum(e["call_seconds"])
+        if e.get("copy_states_seconds") and results.get("prefill"):
+            # the bound speculators' own copy of the states sets: a prefill call plus that copy, per call
+            prefill_call = statistics.median(results["prefill"]["call_seconds"])
+            numbers["copy_states_seconds"] = e["copy_states_seconds"]
+            numbers["ceiling_extract_vs_prefill_median"] = prefill_call / (prefill_call + e["copy_states_seconds"])
+        packs = [p for p in e.get("worker_pack") or [] if p.get("seconds") is not None]
+        if packs:
+            numbers["worker_pack_seconds_median"] = statistics.median(p["seconds"] for p in packs)
+            numbers["worker_pack_gbytes_per_s"] = (statistics.median(p["bytes"] for p in packs) / 1e9
+                                                  / numbers["worker_pack_seconds_median"])
+            numbers["worker_pack_pinned"] = all(p.get("pinned") for p in packs)
         numbers["extract_parent_peak_bytes"] = e["parent_memory"].get(
             "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes"))
     for other in ("prefill", "hf"):
@@ -404,7 +476,9 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
     for key in ("ratio_extract_vs_prefill", "ratio_extract_vs_prefill_median", "ratio_extract_vs_hf",
                 "ratio_extract_vs_hf_median", "ratio_peak_memory_extract_vs_prefill",
                 "ratio_peak_without_kv_extract_vs_prefill", "extract_collect_fraction",
-                "ratio_extract_without_collect_vs_prefill", "ratio_extract_without_collect_vs_prefill_median"):
+                "ratio_extract_without_collect_vs_prefill", "ratio_extract_without_collect_vs_prefill_median",
+                "extract_after_collect_fraction", "copy_states_seconds", "ceiling_extract_vs_prefill_median",
+                "worker_pack_seconds_median", "worker_pack_gbytes_per_s"):
         if key in numbers:
             lines.append(f"{key}: {numbers[key]:.3f}")
     if "hf_forward_only_tokens_per_s" in numbers:

@@ -1,0 +1,156 @@
+"""The states-through-shared-memory arena between two real processes (torch needed; no engine).
+
+A child process stands in for vLLM's worker: it packs tensors as the adapter does after speculators'
+``_get_captured_states`` and writes the pickled reply; this process unpickles it as vLLM's executor does in the
+generator's process. What users rely on: bit-identical values and structure, an arena reused call after call (and
+grown when a call needs more), nothing left in /dev/shm, values that speculators' copy keeps after the next call,
+and a fallback to the RPC reply where /dev/shm has no room.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from vllm_compat.adapters import transfer  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+needs_shm = pytest.mark.skipif(not os.path.isdir(transfer.SHM_DIR), reason="no /dev/shm on this platform")
+
+CHILD = textwrap.dedent(
+    """
+    import pickle, sys, torch
+    from vllm_compat.adapters.transfer import SharedStates, _ARENA
+
+    def states(seed, rows, as_dict):
+        g = torch.Generator().manual_seed(seed)
+        layers = [torch.randn(rows, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+        if not as_dict:
+            return layers
+        return {f"req_0_{i}": [h[i::2] for h in layers] for i in range(2)}  # non-contiguous views too
+
+    for line in sys.stdin:
+        seed, rows, as_dict, out = line.split()
+        handle = SharedStates.pack(states(int(seed), int(rows), as_dict == "1"))
+        with open(out, "wb") as f:
+            pickle.dump({"handle": handle, "stats": dict(_ARENA.stats), "path": _ARENA.path}, f)
+        print("ok", flush=True)
+    """
+)
+
+
+def expected(seed: int, rows: int, as_dict: bool):
+    g = torch.Generator().manual_seed(seed)
+    layers = [torch.randn(rows, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+    if not as_dict:
+        return layers
+    return {f"req_0_{i}": [h[i::2] for h in layers] for i in range(2)}
+
+
+class Worker:
+    """A child process that packs states on request, like a vLLM worker answering ``_get_captured_states``."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.n = 0
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def pack(self, seed: int, rows: int, as_dict: bool = False) -> dict:
+        self.n += 1
+        out = self.tmp / f"reply{self.n}.pkl"
+        self.proc.stdin.write(f"{seed} {rows} {int(as_dict)} {out}\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "ok"
+        return pickle.loads(out.read_bytes())  # unpickling maps the arena: what the generator's process does
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def worker(tmp_path: Path):
+    w = Worker(tmp_path)
+    yield w
+    w.close()
+
+
+def ours() -> set[str]:
+    return {n for n in os.listdir(transfer.SHM_DIR) if n.startswith(transfer.PREFIX)}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@needs_shm
+@pytest.mark.parametrize("as_dict", [False, True], ids=["list-per-layer", "dict-per-request"])
+def test_values_and_structure_survive(worker: Worker, as_dict: bool) -> None:
+    reply = worker.pack(1, 100, as_dict)["handle"]
+    assert same(reply, expected(1, 100, as_dict))
+
+
+@needs_shm
+def test_arena_is_reused_grown_and_leaves_no_name(worker: Worker) -> None:
+    before = ours()
+    first = worker.pack(1, 100)
+    assert first["path"] not in ours(), "the generator's process removes the arena's name once it mapped it"
+    second = worker.pack(2, 50)  # smaller: same arena
+    assert second["path"] == first["path"]
+    assert same(second["handle"], expected(2, 50, False))
+    rows = 2 * transfer._STEP // (8 * 2 * 3)  # more than the first arena (one 2 MiB step): a new, larger one
+    third = worker.pack(3, rows)
+    assert third["path"] != first["path"] and third["stats"]["arena_bytes"] > first["stats"]["arena_bytes"]
+    assert same(third["handle"], expected(3, rows, False))
+    assert first["path"] not in transfer._MAPPED, "the old arena's mapping is dropped here"
+    assert ours() <= before
+
+
+@needs_shm
+def test_speculators_copy_outlives_the_next_call(worker: Worker) -> None:
+    """The views are reused by the next call; what speculators keeps (``.clone().cpu()``) is not."""
+    views = worker.pack(1, 100)["handle"]
+    kept = [h.clone().cpu() for h in views]
+    worker.pack(2, 100)
+    assert same(kept, expected(1, 100, False))
+    assert not same(views, expected(1, 100, False)), "the arena is reused (views are valid until the next call)"
+
+
+@needs_shm
+def test_orphaned_arena_of_a_dead_worker_is_removed(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(transfer.SHM_DIR) / f"{transfer.PREFIX}{int(dead.stdout)}_deadbeef"
+    orphan.write_bytes(b"x" * 128)
+    w = Worker(tmp_path)
+    try:
+        w.pack(1, 10)
+    finally:
+        w.close()
+    assert not orphan.exists()
+
+
+def test_no_room_falls_back_to_the_rpc_reply(monkeypatch: pytest.MonkeyPatch, caplog, tmp_path: Path) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transfer, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(transfer.os, "posix_fallocate", full)
+    monkeypatch.setattr(transfer, "_WARNED", [])
+    states = expected(1, 10, True)
+    with caplog.at_level("WARNING", logger="vllm_compat"):
+        returned = transfer.SharedStates.pack(states, arena=transfer._Arena())
+    assert returned is states
+    assert "--shm-size" in caplog.text and "message queue" in caplog.text
+    assert list(tmp_path.iterdir()) == []
