@@ -103,8 +103,13 @@ _CONFIGS: dict[str, Callable[[Any, int], Any]] = {
 }
 
 
-def build_tiny(family: str, path: str | Path, *, num_layers: int = 4, seed: int = 0) -> Path:
-    """Write a tiny random float32 checkpoint of ``family`` (a key of ``BUILDERS``) and its tokenizer to ``path``."""
+def build_tiny(
+    family: str, path: str | Path, *, num_layers: int = 4, seed: int = 0, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Write a tiny random float32 checkpoint of ``family`` (a key of ``BUILDERS``) and its tokenizer to ``path``.
+
+    ``overrides``: config attributes set on top of the family's (not for ``llama``).
+    """
     if family == "llama":
         return build_tiny_llama(path, num_layers=num_layers, seed=seed)
     import torch
@@ -114,6 +119,8 @@ def build_tiny(family: str, path: str | Path, *, num_layers: int = 4, seed: int 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(TINY_VOCAB_SIZE, MAX_POSITIONS)
     config = _CONFIGS[family](tokenizer, num_layers)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
     # Spread the weights a little more than the default init (std 0.02), so that each layer visibly changes the
