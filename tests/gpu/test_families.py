@@ -16,7 +16,8 @@ Families (``VLLM_COMPAT_GPU_FAMILIES``, comma-separated, picks; default all):
 - ``deepseek_v3_moe``: the same with a routed MoE (vLLM's fused MoE, ``vllm._moe_C``).
 - ``kimi_k25``: vLLM's Kimi-K2.5 wrapper around the ``deepseek_v3`` model, run ``language_model_only``.
 - ``qwen3_vl``: the Qwen3-VL wrapper, ``language_model_only``; skipped where vLLM's qwen3_vl module does not
-  import (it needs torchvision through transformers' video processor).
+  import (checked in a fresh interpreter; e.g. an environment whose transformers processors need a missing
+  torchvision).
 - ``gpt_oss``: alternating sliding-window / full attention with sinks, a routed MoE in every layer.
 - ``qwen3``: the plain case.
 
