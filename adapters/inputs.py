@@ -197,6 +197,9 @@ def check_token_ids(token_ids: Any, vocab: int | None) -> None:
                 f"{WHERE}: sequence {i} is empty; every sequence needs at least one token "
                 "(vLLM's scheduler cannot run an empty prompt)"
             )
+        if set(map(type, seq)) <= {int}:  # the common case, checked at C speed (a call holds ~10^5 tokens)
+            _check_range(i, seq, vocab)
+            continue
         for j, token in enumerate(seq):
             if not _is_int(token):
                 raise TypeError(

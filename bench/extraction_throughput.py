@@ -246,6 +246,23 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
         copy_seconds.append(time.perf_counter() - start)
         del copies
     log(out, "extract", f"cloning one call's returned states again in this process: {min(copy_seconds):.3f}s")
+    if args.profile:  # one more call under cProfile (not timed): where the generator's process spends its time
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        generator.generate(calls[-1])
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        log(out, "extract", "profile of one call (the generator's process, by own time):\n" + text.getvalue())
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        log(out, "extract", "profile of one call (cumulative):\n" + text.getvalue())
+    threads = __import__("torch").get_num_threads()
+    log(out, "extract", f"torch threads in the generator's process between calls: {threads}")
     workers = executor.collective_rpc(_memory_report)
     parent = _memory_report()
     config = generator.vllm_config
@@ -504,6 +521,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="default 790 on cuda (H200 bf16 dense)")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--sides", default="extract,prefill,hf")
+    parser.add_argument("--profile", action="store_true", help="cProfile one extra extraction call (not timed)")
     parser.add_argument("--side-timeout", type=int, default=480, help="seconds for one side")
     parser.add_argument("--time-budget", type=int, default=None, help="seconds for the whole run (sides get the rest)")
     parser.add_argument("--resummarize", type=Path, default=None,

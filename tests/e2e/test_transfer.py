@@ -154,3 +154,67 @@ def test_no_room_falls_back_to_the_rpc_reply(monkeypatch: pytest.MonkeyPatch, ca
     assert returned is states
     assert "--shm-size" in caplog.text and "message queue" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_copy_threads_for_generate_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """During generate() torch may use the process's CPUs; vLLM's one thread is back afterwards."""
+    import types
+
+    seen: list[int] = []
+
+    class VllmHiddenStatesGenerator:
+        def generate(self, token_ids):
+            seen.append(torch.get_num_threads())
+            return token_ids
+
+    module = types.ModuleType("fake_generator_module")
+    module.VllmHiddenStatesGenerator = VllmHiddenStatesGenerator
+    monkeypatch.setattr(transfer, "_USER_OMP_THREADS", None)
+    monkeypatch.setattr(transfer, "_workers_compute_on_cpu", lambda: False)  # as on a GPU host
+    wanted = transfer.copy_threads()
+    if wanted < 2:
+        pytest.skip("one CPU here: nothing to raise")
+    adapter = transfer.CopyStatesOnAllCores()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # what vLLM's executor leaves the generator's process
+    try:
+        adapter.apply(module)
+        assert VllmHiddenStatesGenerator().generate([[1]]) == [[1]]
+        assert seen == [wanted] and torch.get_num_threads() == 1
+        monkeypatch.setattr(transfer, "_USER_OMP_THREADS", "1")  # a user's OMP_NUM_THREADS is respected
+        assert transfer.copy_threads() == 1
+        adapter.revert()
+        VllmHiddenStatesGenerator().generate([[1]])
+        assert seen == [wanted, 1], "reverted: generate() runs as vLLM left it"
+    finally:
+        adapter.revert()
+        torch.set_num_threads(before)
+
+
+def test_copy_threads_left_alone_on_vllm_cpu_platform() -> None:
+    """On vLLM's CPU platform the workers compute on the cores: generate() keeps vLLM's setting."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("not vLLM's CPU platform")
+    import types
+
+    seen: list[int] = []
+
+    class VllmHiddenStatesGenerator:
+        def generate(self, token_ids):
+            seen.append(torch.get_num_threads())
+
+    module = types.ModuleType("fake_generator_module")
+    module.VllmHiddenStatesGenerator = VllmHiddenStatesGenerator
+    adapter = transfer.CopyStatesOnAllCores()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        adapter.apply(module)
+        VllmHiddenStatesGenerator().generate([[1]])
+        assert seen == [1]
+    finally:
+        adapter.revert()
+        torch.set_num_threads(before)
