@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vllm_compat.adapters._kit import GENERATOR_MODULE, WORKER_MODULE
+from vllm_compat.adapters._kit import WORKER_MODULE
 
 from vllm_compat.adapter import Adapter
 
@@ -19,8 +19,6 @@ logger = logging.getLogger("vllm_compat")
 
 SHM_DIR = "/dev/shm"  # POSIX shared memory on Linux, where vLLM runs
 PREFIX = "vllm_compat_states_"
-# OMP_NUM_THREADS as the user left it, read when vllm-compat is imported, before vLLM's executor sets it to 1
-_USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")
 _ALIGN = 64  # every tensor starts on a 64-byte boundary: aligned for any dtype and for vectorised copies
 _STEP = 2 << 20  # arena sizes are whole 2 MiB pages (huge-page friendly)
 
@@ -57,66 +55,6 @@ class StatesThroughSharedMemory(Adapter):
             return SharedStates.pack(states) if states else states
 
         self.wrap(module, "HiddenStatesWorkerExtension._get_captured_states", collect)
-
-
-class CopyStatesOnAllCores(Adapter):
-    """Let speculators' copy of the returned states use the cores vLLM's executor took from the generator's process.
-
-    What is slow (speculators x vLLM, on every release): creating the executor lowers the generator's own process
-    to one torch thread (vLLM's ``set_multiprocessing_worker_envs``: ``torch.set_num_threads(1)`` and
-    ``OMP_NUM_THREADS=1``, meant for an engine whose front end does no tensor work). speculators' ``generate()``
-    then copies every returned state (``.clone().cpu()``, 537 MB per call in the H200 benchmark) on that one
-    thread: 115 ms per call against 144 ms for the whole prefill.
-    Where fixed: around ``generate()``, in the generator's process only. For the duration of the call torch may
-    use the CPUs this process may run on (or ``OMP_NUM_THREADS`` if the user set it before importing
-    vllm-compat); the previous setting is restored when the call returns. Nothing else computes in this process
-    meanwhile, and vLLM's workers wait for the next step while speculators copies. Not on vLLM's CPU platform,
-    whose workers compute on those cores.
-    """
-
-    id = "copy-states-on-all-cores"
-    always = "vLLM's executor leaves the generator's process one torch thread for speculators' copy of the states"
-    target = GENERATOR_MODULE
-    remove_when = "speculators returns states without copying them in the generator's process"
-
-    def apply(self, module: ModuleType) -> None:
-        wanted = copy_threads()
-
-        def generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            import torch
-
-            before = torch.get_num_threads()
-            if before >= wanted or _workers_compute_on_cpu():
-                return wrapped(*args, **kwargs)
-            torch.set_num_threads(wanted)
-            try:
-                return wrapped(*args, **kwargs)
-            finally:
-                torch.set_num_threads(before)
-
-        self.wrap(module, "VllmHiddenStatesGenerator.generate", generate)
-
-
-def _workers_compute_on_cpu() -> bool:
-    """On vLLM's CPU platform the workers' OpenMP threads hold the cores (and spin): more threads here would fight
-    them, and the states are small there. Measured on a 2-core machine: the copy took 30x longer."""
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # an unknown platform layout: leave the process as vLLM set it
-        return True
-
-
-def copy_threads() -> int:
-    """Threads for the copy: the user's OMP_NUM_THREADS if set, else the CPUs this process may run on."""
-    if _USER_OMP_THREADS and _USER_OMP_THREADS.strip().isdigit() and int(_USER_OMP_THREADS) > 0:
-        return int(_USER_OMP_THREADS)
-    try:
-        available = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        available = os.cpu_count() or 1
-    return min(available, 32)  # a memory copy gains nothing from more; the user's setting is not capped
 
 
 @dataclass(frozen=True)
