@@ -21,6 +21,12 @@ on the same weights rounded to bfloat16, within bfloat16's precision (``BF16_TOL
 state), which still catches a wrong layer, order or sequence (errors of the states' own size). Its checkpoint then
 routes every token to all experts (``Case.bf16_config``): a top-k choice between near-tied router logits is not
 stable under bfloat16 rounding.
+Multimodal wrappers (Kimi-K2.5 around DeepSeek-V3, Qwen3-VL around Qwen3; tests/e2e/tiny_families.py) have text
+weights only and take text prompts: vLLM builds no vision tower (``ModelConfig(language_model_only=True)``; releases
+without it, e.g. 0.16, get ``limit_mm_per_prompt`` of 0 for every modality, which skips the tower the same way).
+Kimi-K2.5 runs with DeepSeek-V3's CPU settings and is compared with transformers' DeepSeek-V3 on the same weights.
+A family whose vLLM model module does not import in this environment is skipped with the import error (Qwen3-VL
+needs torchvision, which vLLM's CPU environments lack, and which must match torch's build).
 ``VLLM_COMPAT_E2E_FAMILIES`` (comma-separated) picks the families to run; the default is all of them.
 """
 
@@ -40,6 +46,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import LAYERS, TOLERANCE, max_diff
+from tests.e2e.tiny_families import TOKEN_RANGE
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -51,17 +58,34 @@ class Case:
     config_class: str  # the transformers config class the tiny checkpoint needs
     harness: dict[str, Any] = field(default_factory=dict)  # test-harness settings for the generator's VllmConfig
     bf16_config: dict[str, Any] = field(default_factory=dict)  # the tiny checkpoint's config when run in bfloat16
+    module: str = ""  # vLLM's model module, imported in a fresh interpreter first (skip if it cannot be)
+    tokens: tuple[int, int] = (4, 512)  # prompt token ids (the multimodal wrappers reserve 508-511)
 
 
+_DEEPSEEK_CPU = {
+    "attention_backend": "CPU_MLA",
+    "custom_ops": ["-rotary_embedding"],
+    "else_env": {"VLLM_MLA_DISABLE": "1"},
+}
 CASES = {
     "qwen3": Case("Qwen3Config"),
     # in bfloat16, every token goes to all 4 experts: a top-2 choice between near-tied router logits flips under
     # bfloat16 rounding (a gap of 2.5e-5 measured on the default checkpoint) and moves that token's state by its
     # own size; with all experts chosen the output is continuous in the router logits (their weights still differ)
     "gpt_oss": Case("GptOssConfig", bf16_config={"num_experts_per_tok": 4}),
-    "deepseek_v3": Case(
+    "deepseek_v3": Case("DeepseekV3Config", _DEEPSEEK_CPU),
+    # DeepSeek-V3's checkpoint (MLA and MoE) under vLLM's Kimi-K2.5 wrapper, with local stand-ins for its remote code
+    "kimi_k25": Case(
         "DeepseekV3Config",
-        {"attention_backend": "CPU_MLA", "custom_ops": ["-rotary_embedding"], "else_env": {"VLLM_MLA_DISABLE": "1"}},
+        {**_DEEPSEEK_CPU, "language_model_only": True},
+        module="vllm.model_executor.models.kimi_k25",
+        tokens=TOKEN_RANGE,
+    ),
+    "qwen3_vl": Case(
+        "Qwen3VLConfig",
+        {"language_model_only": True},
+        module="vllm.model_executor.models.qwen3_vl",
+        tokens=TOKEN_RANGE,
     ),
 }
 SELECTED = [f for f in os.environ.get("VLLM_COMPAT_E2E_FAMILIES", ",".join(CASES)).split(",") if f]
@@ -71,9 +95,9 @@ BF16_ONLY = "expected scalar type BFloat16 but found Float"  # a CPU kernel that
 BF16_TOLERANCE = 3e-2
 
 
-def _calls() -> list[list[list[int]]]:
+def _calls(tokens: tuple[int, int] = (4, 512)) -> list[list[list[int]]]:
     rng = random.Random(4321)
-    return [[[rng.randrange(4, 512) for _ in range(n)] for n in (5, 37, 100, 11)]]
+    return [[[rng.randrange(*tokens) for _ in range(n)] for n in (5, 37, 100, 11)]]
 
 
 def _record(name: str, value: object) -> None:
@@ -92,6 +116,14 @@ harness = json.loads(os.environ["FAMILY_HARNESS"])
 if harness:
     import vllm_compat  # first, as in extract.py (which imports it again)
     from speculators.data_generation import vllm_hidden_states_generator as gen
+    if harness.get("language_model_only"):  # text weights only: no vision tower
+        import inspect
+        original_model_config = gen.ModelConfig
+        if "language_model_only" in inspect.signature(original_model_config).parameters:
+            text_only = {"language_model_only": True}
+        else:  # before language_model_only: a limit of 0 for every modality skips the towers
+            text_only = {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0, "vision_chunk": 0}}
+        gen.ModelConfig = lambda *a, **kw: original_model_config(*a, **{**kw, **text_only})
     extra = {}
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -133,26 +165,35 @@ def _plan_for(family: str, cwd: Path) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _reference(model: Path, calls: list[list[list[int]]], weights: str = "float32") -> dict[tuple[int, ...], list[Any]]:
-    """transformers' float32 forward; ``weights="bfloat16"``: on the weights rounded to bfloat16, as vLLM loads them."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _reference(
+    family: str, model: Path, calls: list[list[list[int]]], weights: str = "float32"
+) -> dict[tuple[int, ...], list[Any]]:
+    """transformers' float32 forward; ``weights="bfloat16"``: on the weights rounded to bfloat16, as vLLM loads them.
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    Kimi-K2.5: transformers' DeepSeek-V3 on the same weights (tiny_families.reference_dir).
+    """
+    import torch
+    import transformers
+
+    from tests.e2e.tiny_families import decoder_layers, reference_dir
+
+    cls = transformers.Qwen3VLForConditionalGeneration if family == "qwen3_vl" else transformers.AutoModelForCausalLM
+    hf = cls.from_pretrained(reference_dir(family, model), torch_dtype=torch.float32).eval()
     if weights != "float32":
         with torch.no_grad():
             for param in hf.parameters():
                 param.copy_(param.to(getattr(torch, weights)).float())
     captured: dict[int, Any] = {}
+    layers = decoder_layers(family, hf)
     for layer in LAYERS:
-        hf.model.layers[layer].register_forward_hook(
+        layers[layer].register_forward_hook(
             lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out)
         )
     refs: dict[tuple[int, ...], list[Any]] = {}
     with torch.no_grad():
         for call in calls:
             for ids in call:
-                hf(torch.tensor([ids]))
+                hf(input_ids=torch.tensor([ids]))
                 refs[tuple(ids)] = [captured[layer][0].clone() for layer in LAYERS]
     return refs
 
@@ -164,10 +205,13 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
 
     if not hasattr(transformers, case.config_class):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config_class}")
+    if case.module and (error := _import_error(case.module, tmp_path)):
+        _record(f"family_{family}", f"skipped: vLLM's model module does not import here: {error}")
+        pytest.skip(f"vLLM's {case.module} does not import here: {error}")
     from tests.e2e.tiny_families import build_tiny
 
     model = build_tiny(family, tmp_path / family, num_layers=4)
-    calls = _calls()
+    calls = _calls(case.tokens)
     (tmp_path / "calls.json").write_text(json.dumps(calls))
     verdict = _plan_for(family, tmp_path)
     cmd = [sys.executable, "-c", RUNNER, "--model", str(model), "--calls", str(tmp_path / "calls.json")]
@@ -210,7 +254,7 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
 
     data = torch.load(tmp_path / "out.pt", weights_only=False)
     assert data["vllm_dtype"] == f"torch.{dtype}"
-    reference = _reference(model, calls, weights=dtype)
+    reference = _reference(family, model, calls, weights=dtype)
     diff = max_diff(data["outputs"], calls, reference)
     if dtype == "float32":
         _record(f"family_{family}_max_abs_diff", diff)
@@ -221,6 +265,17 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     _record(f"family_{family}_{dtype}_max_abs_diff", diff)
     _record(f"family_{family}_{dtype}_relative_diff", diff / scale)
     assert diff < BF16_TOLERANCE * scale
+
+
+def _import_error(module: str, cwd: Path) -> str | None:
+    """None if ``module`` imports in a fresh interpreter (outside the checkout), else its last error line."""
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=cwd, timeout=300, check=False
+    )
+    if done.returncode == 0:
+        return None
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    return lines[-1][:300] if lines else f"exit {done.returncode}"
 
 
 def _last_error(output: str) -> str:
