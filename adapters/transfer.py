@@ -37,6 +37,10 @@ class StatesThroughSharedMemory(Adapter):
     handle in the generator's process yields the same structure (a list of per-layer tensors, or 0.4.0.1's dict of
     per-request lists) as host tensors viewing the arena, which speculators copies out at once as it always did
     (``.clone().cpu()``). Values are bit-identical; the reply's shape is unchanged for speculators.
+    For 0.4.0.1, whose reply groups the states per request, the worker copies each request's rows straight from
+    the per-step captures into the arena (``collect_per_request``: speculators' grouping, without its three copies
+    of every state on the GPU: the concatenation, the per-request slices and their concatenation), so the states
+    of a call occupy the GPU once instead of up to four times.
     The views are valid until the worker's next ``_get_captured_states``: both speculators lines copy them before
     ``generate()`` returns. The arena's name is removed as soon as the generator's process has mapped it, so
     nothing is left in /dev/shm when either process ends. Where /dev/shm has no room for a call's states (a
@@ -51,6 +55,9 @@ class StatesThroughSharedMemory(Adapter):
 
     def apply(self, module: ModuleType) -> None:
         def collect(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            direct = collect_per_request(ext)
+            if direct is not None:
+                return direct
             states = wrapped(*args, **kwargs)
             return SharedStates.pack(states) if states else states
 
@@ -178,6 +185,77 @@ class SharedStates:
 
     def __reduce__(self) -> tuple[Any, tuple[str, int, Any]]:
         return (_unpack, (self.path, self.size, self.spec))
+
+
+def collect_per_request(ext: Any, arena: _Arena | None = None) -> SharedStates | None:
+    """speculators 0.4.0.1's ``_get_captured_states``, written straight into the arena; None where it does not apply.
+
+    Same grouping as speculators': the captured rows of every step, concatenated per layer, are sliced by a running
+    index over the steps' ``(request id, prefill tokens)`` metadata, and each request's slices are joined, layer by
+    layer, in the order requests first appear. Here each slice is copied from the step's capture on the GPU into
+    its place in the request's slot, so nothing is concatenated or cloned on the GPU. Returns None (and leaves
+    everything to speculators' own method) unless the extension holds exactly 0.4.0.1's structures, or where the
+    arena has no room.
+    """
+    import torch
+
+    captured = getattr(ext, "_captured_states", None)
+    metadata = getattr(ext, "_request_metadata", None)
+    if not (isinstance(captured, list) and captured and isinstance(metadata, list)):
+        return None
+    steps = len(captured[0])
+    if not all(isinstance(layer, list) and len(layer) == steps for layer in captured):
+        return None
+    if not all(isinstance(t, torch.Tensor) for layer in captured for t in layer):
+        return None
+    first = captured[0][0]
+    rows = [t.shape[0] for t in captured[0]]
+    if any(t.shape[1:] != first.shape[1:] or t.dtype != first.dtype for layer in captured for t in layer):
+        return None
+    total = sum(rows)
+    pieces: dict[str, list[tuple[int, int]]] = {}
+    index = 0
+    for step in metadata:
+        for req_id, num_tok in step:
+            start, end = min(index, total), min(index + num_tok, total)  # a slice past the end is short, as in torch
+            pieces.setdefault(req_id, []).append((start, end))
+            index += num_tok
+    arena = arena or _ARENA
+    start_time = time.perf_counter()
+    row_bytes = first[0].numel() * first.element_size() if first.dim() else first.element_size()
+    dtype = str(first.dtype).removeprefix("torch.")
+    spec: dict[str, list[_Slot]] = {}
+    size = 0
+    for req_id, parts in pieces.items():
+        n = sum(end - start for start, end in parts)
+        spec[req_id] = []
+        for _ in captured:
+            spec[req_id].append(_Slot(size, n * row_bytes, dtype, (n, *first.shape[1:])))
+            size += -(-n * row_bytes // _ALIGN) * _ALIGN
+    cuda = {t.device for layer in captured for t in layer if t.is_cuda}
+    if not arena.reserve(max(size, _ALIGN), want_pinned=bool(cuda)):
+        return None
+    offsets = [0]
+    for r in rows:
+        offsets.append(offsets[-1] + r)
+    for req_id, parts in pieces.items():
+        for layer, slot in zip(captured, spec[req_id], strict=True):
+            dst = _view(arena.block, slot)
+            at = 0
+            for start, end in parts:
+                for s in range(steps):  # the steps this global row range overlaps
+                    lo, hi = max(start, offsets[s]), min(end, offsets[s + 1])
+                    if lo < hi:
+                        src = layer[s][lo - offsets[s] : hi - offsets[s]]
+                        dst[at : at + hi - lo].copy_(src.detach(), non_blocking=arena.pinned and src.is_cuda)
+                        at += hi - lo
+    for device in cuda:
+        torch.cuda.current_stream(device).synchronize()
+    ext._captured_states = None  # what speculators' method clears after it collected
+    ext._request_metadata = []
+    arena.stats = {"bytes": size, "tensors": len(spec) * len(captured), "seconds": time.perf_counter() - start_time,
+                   "pinned": arena.pinned, "arena_bytes": arena.size, "direct": True}
+    return SharedStates(arena.path, arena.size, spec)
 
 
 def _view(block: Any, slot: _Slot) -> Any:

@@ -61,7 +61,7 @@ class Worker:
         self.tmp = tmp
         self.n = 0
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+                                     text=True, cwd=tmp)  # not the checkout: the installed vllm_compat
 
     def pack(self, seed: int, rows: int, as_dict: bool = False) -> dict:
         self.n += 1
@@ -155,3 +155,87 @@ def test_no_room_falls_back_to_the_rpc_reply(monkeypatch: pytest.MonkeyPatch, ca
     assert "--shm-size" in caplog.text and "message queue" in caplog.text
     assert list(tmp_path.iterdir()) == []
 
+
+
+EQUIVALENCE = textwrap.dedent(
+    """
+    import inspect, json, pickle, sys, types
+    import vllm_compat  # first, as in a worker: speculators needs its import adapters under transformers 5
+    import torch
+    from speculators.data_generation import custom_worker
+    from vllm_compat.adapters import transfer
+
+    cls = custom_worker.HiddenStatesWorkerExtension
+    if not hasattr(cls, "_set_request_metadata"):
+        print(json.dumps({"skip": "speculators 0.3 returns per-layer tensors (no per-request grouping)"}))
+        sys.exit(0)
+    original = inspect.getattr_static(cls, "_get_captured_states")
+    while hasattr(original, "__wrapped__"):  # speculators' own method, past any wrapper
+        original = original.__wrapped__
+    steps, metadata = json.loads(sys.argv[1])
+
+    def extension():
+        g = torch.Generator().manual_seed(len(steps))
+        ext = types.SimpleNamespace()
+        ext._captured_states = [[torch.randn(n, 8, generator=g).to(torch.bfloat16) for n in steps] for _ in range(3)]
+        ext._request_metadata = [[tuple(item) for item in step] for step in metadata]
+        return ext
+
+    expected = original(extension())
+    ext = extension()
+    arena = transfer._Arena()
+    handle = transfer.collect_per_request(ext, arena=arena)
+    got = pickle.loads(pickle.dumps(handle))  # what the generator's process receives
+    print(json.dumps({
+        "keys": [list(got), list(expected)],
+        "equal": all(len(got[k]) == len(expected[k]) and all(
+            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got[k], expected[k]))
+            for k in expected),
+        "shapes": {k: [list(t.shape) for t in v] for k, v in expected.items()},
+        "cleared": ext._captured_states is None and ext._request_metadata == [],
+    }))
+    arena.close()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("steps", "metadata"),
+    [
+        # a request split over three steps, others between its pieces; an id that sorts before req_0_2 as a string
+        ([7, 5, 9], [[("req_0_0", 4), ("req_0_1", 3)], [("req_0_2", 2), ("req_0_1", 3)],
+                     [("req_0_1", 1), ("req_0_10", 8)]]),
+        # a step with more captured rows than its metadata counts: speculators' running index is kept as it is
+        ([7, 6], [[("req_1_0", 4), ("req_1_1", 3)], [("req_1_1", 2), ("req_1_2", 3)]]),
+        # metadata past the captured rows: the last slice comes out short, as speculators' slicing does
+        ([4], [[("req_2_0", 3), ("req_2_1", 3)]]),
+    ],
+    ids=["split-requests", "extra-rows", "short-capture"],
+)
+def test_per_request_collect_equals_speculators(steps, metadata, tmp_path: Path) -> None:
+    """``collect_per_request`` returns what speculators 0.4.0.1's own ``_get_captured_states`` returns, bit for bit."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("speculators") is None:  # found, not imported: the child imports it after vllm_compat
+        pytest.skip("needs speculators")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}  # the child is a user's process
+    done = subprocess.run([sys.executable, "-c", EQUIVALENCE, json.dumps([steps, metadata])], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # not the checkout
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    got, expected = result["keys"]
+    assert got == expected, "the same requests, in the same order"
+    assert result["equal"], f"states differ (shapes {result['shapes']})"
+    assert result["cleared"]
+
+
+def test_per_request_collect_leaves_other_shapes_to_speculators() -> None:
+    """Not 0.4.0.1's structures (0.3.0's extension, nothing captured): None, and nothing is touched."""
+    import types
+
+    assert transfer.collect_per_request(types.SimpleNamespace(_captured_states=None)) is None
+    ext = types.SimpleNamespace(_captured_states=[[torch.zeros(2, 4)]])  # no _request_metadata: speculators 0.3.0
+    assert transfer.collect_per_request(ext) is None and ext._captured_states is not None
