@@ -5,8 +5,10 @@ spawns its workers and re-imports the main module; a process that initialised CU
 
 - ``extract``: speculators' unchanged ``VllmHiddenStatesGenerator`` with ``import vllm_compat`` first, one
   ``generate()`` per call of ``--seqs-per-call`` prompts; states for ``--layers`` (speculators' default choice if
-  omitted) come back as CPU tensors. The time spent in the one ``_get_captured_states`` RPC per call (the worker
-  pickles every captured state to the parent) is measured apart.
+  omitted) come back as CPU tensors. Measured apart per call: the engine steps and the scheduler (timed from the
+  parent), the one ``_get_captured_states`` RPC that hands the states over (and the worker's copy into the
+  shared-memory arena, with its bandwidth), and what follows it (speculators' own ``.clone().cpu()`` of every
+  state); after the timed calls, that copy alone, and the ceiling it sets on extraction / prefill.
 - ``prefill``: ``LLM.generate`` with ``max_tokens=1`` on the engine settings the generator ended up with (dtype,
   block size, max_num_seqs, max_num_batched_tokens, prefix caching off, async scheduling as the generator had it,
   eager mode, the same KV-cache size where vLLM takes ``kv_cache_memory_bytes``, the same attention backend).
