@@ -169,8 +169,13 @@ class SharedStates:
                 _view(arena.block, slot).copy_(t.detach(), non_blocking=arena.pinned and t.is_cuda)
         for device in cuda:
             torch.cuda.current_stream(device).synchronize()
-        arena.stats = {"bytes": size, "tensors": len(tensors), "seconds": time.perf_counter() - start,
-                       "pinned": arena.pinned, "arena_bytes": arena.size}
+        arena.stats = {
+            "bytes": size,
+            "tensors": len(tensors),
+            "seconds": time.perf_counter() - start,
+            "pinned": arena.pinned,
+            "arena_bytes": arena.size,
+        }
 
         def fill(obj: Any) -> Any:
             if isinstance(obj, _Index):
@@ -253,8 +258,14 @@ def collect_per_request(ext: Any, arena: _Arena | None = None) -> SharedStates |
         torch.cuda.current_stream(device).synchronize()
     ext._captured_states = None  # what speculators' method clears after it collected
     ext._request_metadata = []
-    arena.stats = {"bytes": size, "tensors": len(spec) * len(captured), "seconds": time.perf_counter() - start_time,
-                   "pinned": arena.pinned, "arena_bytes": arena.size, "direct": True}
+    arena.stats = {
+        "bytes": size,
+        "tensors": len(spec) * len(captured),
+        "seconds": time.perf_counter() - start_time,
+        "pinned": arena.pinned,
+        "arena_bytes": arena.size,
+        "direct": True,
+    }
     return SharedStates(arena.path, arena.size, spec)
 
 
@@ -337,7 +348,9 @@ def _no_room(why: str, size: int) -> bool:
     log(
         "states-through-shared-memory: %s; a call's captured states need %.0f MiB. They go through vLLM's message "
         "queue instead (slower). Give the container more shared memory (e.g. docker run --shm-size=16g).",
-        why, max(size / 2**20, 0.1))
+        why,
+        max(size / 2**20, 0.1),
+    )
     return False
 
 

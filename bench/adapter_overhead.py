@@ -48,8 +48,13 @@ SIDES = ("with", "without")
 def prompts(args: argparse.Namespace) -> list[list[list[int]]]:
     rng = random.Random(7)
     n = args.warmup + args.calls
-    return [[[rng.randrange(4, 500) for _ in range(rng.randrange(args.seq_len // 2, args.seq_len + 1))]
-             for _ in range(args.seqs)] for _ in range(n)]
+    return [
+        [
+            [rng.randrange(4, 500) for _ in range(rng.randrange(args.seq_len // 2, args.seq_len + 1))]
+            for _ in range(args.seqs)
+        ]
+        for _ in range(n)
+    ]
 
 
 # ------------------------------------------------------------------------------------------ one side
@@ -109,18 +114,43 @@ class Side:
     def __init__(self, args: argparse.Namespace, name: str, out: Path) -> None:
         cmd_read, self._cmd_write = os.pipe()
         self._reply_read, reply_write = os.pipe()
-        env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1",
-               "TRANSFORMERS_OFFLINE": "1", "VLLM_SLEEP_WHEN_IDLE": "1"}
+        env = {
+            **os.environ,
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_SLEEP_WHEN_IDLE": "1",
+        }
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.pop("VLLM_COMPAT_DISABLE", None)
         if name == "without":
             env["VLLM_COMPAT_DISABLE"] = "1"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--side", name, "--model", args.model, "--out",
-               str(out), "--calls", str(args.calls), "--warmup", str(args.warmup), "--seqs", str(args.seqs),
-               "--seq-len", str(args.seq_len), "--cmd-fd", str(cmd_read), "--reply-fd", str(reply_write)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--side",
+            name,
+            "--model",
+            args.model,
+            "--out",
+            str(out),
+            "--calls",
+            str(args.calls),
+            "--warmup",
+            str(args.warmup),
+            "--seqs",
+            str(args.seqs),
+            "--seq-len",
+            str(args.seq_len),
+            "--cmd-fd",
+            str(cmd_read),
+            "--reply-fd",
+            str(reply_write),
+        ]
         self.log = open(out / "adapter_overhead.log", "a")  # noqa: SIM115  (open while the side lives)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     pass_fds=(cmd_read, reply_write))
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(cmd_read, reply_write)
+        )
         os.close(cmd_read)
         os.close(reply_write)
         self.commands = os.fdopen(self._cmd_write, "w")
@@ -162,10 +192,13 @@ def run_round(args: argparse.Namespace, out: Path, r: int) -> dict:
                 seconds[name].append(t)
     ends = {name: sides[name].finish() for name in order}
     ratios = [w / wo for w, wo in zip(seconds["with"], seconds["without"], strict=True)]
-    print(f"round {r}: with {statistics.median(seconds['with']) * 1000:.1f} ms, without "
-          f"{statistics.median(seconds['without']) * 1000:.1f} ms (medians of {args.calls} calls); paired ratio "
-          f"median {statistics.median(ratios):.3f}; init with {starts['with']['init_seconds']:.1f} s, without "
-          f"{starts['without']['init_seconds']:.1f} s", flush=True)
+    print(
+        f"round {r}: with {statistics.median(seconds['with']) * 1000:.1f} ms, without "
+        f"{statistics.median(seconds['without']) * 1000:.1f} ms (medians of {args.calls} calls); paired ratio "
+        f"median {statistics.median(ratios):.3f}; init with {starts['with']['init_seconds']:.1f} s, without "
+        f"{starts['without']['init_seconds']:.1f} s",
+        flush=True,
+    )
     return {"seconds": seconds, "ratios": ratios, "starts": starts, "applied": ends["with"]["applied"]}
 
 
@@ -202,8 +235,11 @@ def main(argv: list[str]) -> int:
 
     a = torch.load(out / ".with-states.pt", weights_only=False)
     b = torch.load(out / ".without-states.pt", weights_only=False)
-    same = max((x.float() - y.float()).abs().max().item() for ra, rb in zip(a, b, strict=True)
-               for x, y in zip(ra["hidden_states"], rb["hidden_states"], strict=True))
+    same = max(
+        (x.float() - y.float()).abs().max().item()
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra["hidden_states"], rb["hidden_states"], strict=True)
+    )
     ratios = sorted(q for r in rounds for q in r["ratios"])
     times = {name: [t for r in rounds for t in r["seconds"][name]] for name in SIDES}
     quartiles = statistics.quantiles(ratios, n=4)
@@ -219,21 +255,31 @@ def main(argv: list[str]) -> int:
         "max_abs_diff_between_sides": same,
         "pairs": len(ratios),
     }
-    report = {"args": {k: v for k, v in vars(args).items() if k not in ("side", "cmd_fd", "reply_fd")},
-              "summary": summary, "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("side", "cmd_fd", "reply_fd")},
+        "summary": summary,
+        "rounds": rounds,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (out / "adapter_overhead.json").write_text(json.dumps(report, indent=2))
     s = summary
-    print(f"generate() median: with vllm-compat {s['median_ms']['with']:.1f} ms, without "
-          f"{s['median_ms']['without']:.1f} ms ({s['pairs']} paired calls of {args.seqs} sequences, "
-          f"{args.rounds} rounds)")
-    print(f"constructor seconds: with {s['init_seconds']['with']}, without {s['init_seconds']['without']}; "
-          f"import seconds: with {[round(x, 2) for x in s['import_seconds']['with']]}, "
-          f"without {[round(x, 2) for x in s['import_seconds']['without']]}")
+    print(
+        f"generate() median: with vllm-compat {s['median_ms']['with']:.1f} ms, without "
+        f"{s['median_ms']['without']:.1f} ms ({s['pairs']} paired calls of {args.seqs} sequences, "
+        f"{args.rounds} rounds)"
+    )
+    print(
+        f"constructor seconds: with {s['init_seconds']['with']}, without {s['init_seconds']['without']}; "
+        f"import seconds: with {[round(x, 2) for x in s['import_seconds']['with']]}, "
+        f"without {[round(x, 2) for x in s['import_seconds']['without']]}"
+    )
     print(f"adapters applied: {', '.join(s['applied']) or 'none'}")
     print(f"states with vs without: max abs diff {same:.3g}")
-    print(f"paired ratio with/without: median {s['paired_ratio_median']:.3f}, geometric mean "
-          f"{s['paired_ratio_geomean']:.3f}, interquartile {s['paired_ratio_q1_q3'][0]:.3f}.."
-          f"{s['paired_ratio_q1_q3'][1]:.3f}; ratio of medians {s['ratio_of_medians']:.3f} (target <= 1.02)")
+    print(
+        f"paired ratio with/without: median {s['paired_ratio_median']:.3f}, geometric mean "
+        f"{s['paired_ratio_geomean']:.3f}, interquartile {s['paired_ratio_q1_q3'][0]:.3f}.."
+        f"{s['paired_ratio_q1_q3'][1]:.3f}; ratio of medians {s['ratio_of_medians']:.3f} (target <= 1.02)"
+    )
     print(f"results: {out / 'adapter_overhead.json'}")
     return 0
 

@@ -42,10 +42,28 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LARGE = {"hidden": 2048, "layers": 16, "heads": 16, "kv_heads": 8, "vocab": 32000, "seq_len": 1024,
-         "seqs_per_call": 32, "calls": 8, "warmup_calls": 1}
-SMALL = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "vocab": 1024, "seq_len": 256,
-         "seqs_per_call": 8, "calls": 3, "warmup_calls": 1}
+LARGE = {
+    "hidden": 2048,
+    "layers": 16,
+    "heads": 16,
+    "kv_heads": 8,
+    "vocab": 32000,
+    "seq_len": 1024,
+    "seqs_per_call": 32,
+    "calls": 8,
+    "warmup_calls": 1,
+}
+SMALL = {
+    "hidden": 256,
+    "layers": 4,
+    "heads": 4,
+    "kv_heads": 2,
+    "vocab": 1024,
+    "seq_len": 256,
+    "seqs_per_call": 8,
+    "calls": 3,
+    "warmup_calls": 1,
+}
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -73,8 +91,10 @@ def prompt_calls(args: argparse.Namespace) -> list[list[list[int]]]:
     """Warm-up calls first, then timed calls: fixed-length random prompts (no padding on the transformers side)."""
     rng = random.Random(2024)
     n = args.warmup_calls + args.calls
-    return [[[rng.randrange(4, args.vocab) for _ in range(args.seq_len)] for _ in range(args.seqs_per_call)]
-            for _ in range(n)]
+    return [
+        [[rng.randrange(4, args.vocab) for _ in range(args.seq_len)] for _ in range(args.seqs_per_call)]
+        for _ in range(n)
+    ]
 
 
 def flops(shape: dict, calls: list[list[list[int]]]) -> float:
@@ -185,7 +205,9 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
 
     layers = [int(x) for x in args.extract_layers.split(",")] if args.extract_layers else None
     generator = gen_module.VllmHiddenStatesGenerator(
-        model_path=args.model_dir, layer_ids=layers, max_model_len=args.max_model_len,
+        model_path=args.model_dir,
+        layer_ids=layers,
+        max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     init = time.perf_counter() - t0
@@ -222,8 +244,10 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
         assert len(results) == len(call)
         for ids, result in zip(call, results, strict=True):
             assert result["input_ids"].tolist() == ids
-            assert all(h.shape == (len(ids), generator.vllm_config.model_config.get_hidden_size())
-                       for h in result["hidden_states"])
+            assert all(
+                h.shape == (len(ids), generator.vllm_config.model_config.get_hidden_size())
+                for h in result["hidden_states"]
+            )
         # after the states arrived: speculators copies them out (``.clone().cpu()``) and empties the CUDA cache
         tail = end - marks.get("_get_captured_states", end)
         pack = (original_rpc(_transfer_stats) or [{}])[0]  # the worker's side of the hand-over (outside the timing)
@@ -234,11 +258,15 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
             worker_pack.append(pack)
             breakdown.append(dict(rpc_seconds))
         got = rpc_seconds.get("_get_captured_states", 0.0)
-        log(out, "extract", f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s "
-                            f"(collecting states {got:.3f}s, of it the worker's "
-                            f"copy into the arena {pack.get('seconds', float('nan')):.3f}s for "
-                            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}; "
-                            f"after it {tail:.3f}s; steps {phases})")
+        log(
+            out,
+            "extract",
+            f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s "
+            f"(collecting states {got:.3f}s, of it the worker's "
+            f"copy into the arena {pack.get('seconds', float('nan')):.3f}s for "
+            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}; "
+            f"after it {tail:.3f}s; steps {phases})",
+        )
         phases.clear()
     # speculators' own copy of the returned states, timed alone: host tensors of the same sizes cloned once more
     copy_seconds = []
@@ -284,10 +312,22 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
     applied = sorted(vllm_compat.status()["applied"])
     executor.shutdown()
     hidden = config.model_config.get_hidden_size()
-    return {"init_seconds": init, "call_seconds": times, "collect_seconds": collect, "after_collect_seconds": after,
-            "worker_pack": worker_pack, "rpc_breakdown": breakdown, "copy_states_seconds": min(copy_seconds),
-            "layers": list(generator.layer_ids), "hidden": hidden, "engine": engine, "memory": workers[0],
-            "parent_memory": parent, "applied": applied, "torch": torch.__version__}
+    return {
+        "init_seconds": init,
+        "call_seconds": times,
+        "collect_seconds": collect,
+        "after_collect_seconds": after,
+        "worker_pack": worker_pack,
+        "rpc_breakdown": breakdown,
+        "copy_states_seconds": min(copy_seconds),
+        "layers": list(generator.layer_ids),
+        "hidden": hidden,
+        "engine": engine,
+        "memory": workers[0],
+        "parent_memory": parent,
+        "applied": applied,
+        "torch": torch.__version__,
+    }
 
 
 def side_prefill(args: argparse.Namespace, out: Path, engine: dict) -> dict:
@@ -296,11 +336,16 @@ def side_prefill(args: argparse.Namespace, out: Path, engine: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     kwargs = {
-        "model": args.model_dir, "dtype": engine["dtype"], "max_model_len": engine["max_model_len"],
+        "model": args.model_dir,
+        "dtype": engine["dtype"],
+        "max_model_len": engine["max_model_len"],
         "enable_prefix_caching": engine["enable_prefix_caching"],
-        "max_num_seqs": engine["max_num_seqs"], "max_num_batched_tokens": engine["max_num_batched_tokens"],
-        "async_scheduling": engine["async_scheduling"], "enforce_eager": engine["enforce_eager"],
-        "gpu_memory_utilization": engine["gpu_memory_utilization"], "seed": 0,
+        "max_num_seqs": engine["max_num_seqs"],
+        "max_num_batched_tokens": engine["max_num_batched_tokens"],
+        "async_scheduling": engine["async_scheduling"],
+        "enforce_eager": engine["enforce_eager"],
+        "gpu_memory_utilization": engine["gpu_memory_utilization"],
+        "seed": 0,
     }
     if engine.get("block_size"):
         kwargs["block_size"] = engine["block_size"]
@@ -324,8 +369,13 @@ def side_prefill(args: argparse.Namespace, out: Path, engine: dict) -> dict:
             times.append(elapsed)
         log(out, "prefill", f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s")
     memory = llm.collective_rpc(_memory_report)[0]
-    return {"init_seconds": init, "call_seconds": times, "memory": memory, "settings": kwargs,
-            "torch": torch.__version__}
+    return {
+        "init_seconds": init,
+        "call_seconds": times,
+        "memory": memory,
+        "settings": kwargs,
+        "torch": torch.__version__,
+    }
 
 
 def side_hf(args: argparse.Namespace, out: Path, layers: list[int], per_forward_tokens: int) -> dict:
@@ -367,19 +417,37 @@ def side_hf(args: argparse.Namespace, out: Path, layers: list[int], per_forward_
                 times.append(elapsed)
                 forward_times.append(forward)
             log(out, "hf", f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s (forward {forward:.3f}s)")
-    return {"call_seconds": times, "forward_seconds": forward_times, "sequences_per_forward": batch,
-            "memory": _memory_report(), "transformers": transformers.__version__,
-            "attn_implementation": model.config._attn_implementation}
+    return {
+        "call_seconds": times,
+        "forward_seconds": forward_times,
+        "sequences_per_forward": batch,
+        "memory": _memory_report(),
+        "transformers": transformers.__version__,
+        "attn_implementation": model.config._attn_implementation,
+    }
 
 
 # ------------------------------------------------------------------------------------------ orchestration
 def run_side(args: argparse.Namespace, out: Path, side: str, extra: dict | None = None) -> dict | None:
     result_file = out / f".{side}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--side-input", json.dumps(extra or {}),
-           *args.passthrough]
-    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side",
+        side,
+        "--side-input",
+        json.dumps(extra or {}),
+        *args.passthrough,
+    ]
+    env = {
+        **os.environ,
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("VLLM_COMPAT_DISABLE", None)
     if side == "prefill":  # the same model runner as the generator's (vllm-compat may pin V1 there)
         if (extra or {}).get("VLLM_USE_V2_MODEL_RUNNER") is not None:
@@ -407,7 +475,7 @@ def run_side(args: argparse.Namespace, out: Path, side: str, extra: dict | None 
 
 
 def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dict, str]:
-    calls = prompt_calls(args)[args.warmup_calls:]
+    calls = prompt_calls(args)[args.warmup_calls :]
     tokens = sum(len(s) for c in calls for s in c)
     total_flops = flops(shape, calls)
     rows, numbers = [], {"tokens_timed": tokens, "flops_timed": total_flops}
@@ -449,26 +517,32 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         packs = [p for p in e.get("worker_pack") or [] if p.get("seconds") is not None]
         if packs:
             numbers["worker_pack_seconds_median"] = statistics.median(p["seconds"] for p in packs)
-            numbers["worker_pack_gbytes_per_s"] = (statistics.median(p["bytes"] for p in packs) / 1e9
-                                                  / numbers["worker_pack_seconds_median"])
+            numbers["worker_pack_gbytes_per_s"] = (
+                statistics.median(p["bytes"] for p in packs) / 1e9 / numbers["worker_pack_seconds_median"]
+            )
             numbers["worker_pack_pinned"] = all(p.get("pinned") for p in packs)
         numbers["extract_parent_peak_bytes"] = e["parent_memory"].get(
-            "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes"))
+            "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes")
+        )
     for other in ("prefill", "hf"):
         if "extract_tokens_per_s" in numbers and f"{other}_tokens_per_s" in numbers:
             numbers[f"ratio_extract_vs_{other}"] = numbers["extract_tokens_per_s"] / numbers[f"{other}_tokens_per_s"]
             numbers[f"ratio_extract_vs_{other}_median"] = (
-                numbers["extract_median_tokens_per_s"] / numbers[f"{other}_median_tokens_per_s"])
+                numbers["extract_median_tokens_per_s"] / numbers[f"{other}_median_tokens_per_s"]
+            )
     if "extract_without_collect_tokens_per_s" in numbers and "prefill_tokens_per_s" in numbers:
         numbers["ratio_extract_without_collect_vs_prefill"] = (
-            numbers["extract_without_collect_tokens_per_s"] / numbers["prefill_tokens_per_s"])
+            numbers["extract_without_collect_tokens_per_s"] / numbers["prefill_tokens_per_s"]
+        )
         numbers["ratio_extract_without_collect_vs_prefill_median"] = (
-            numbers["extract_without_collect_median_tokens_per_s"] / numbers["prefill_median_tokens_per_s"])
+            numbers["extract_without_collect_median_tokens_per_s"] / numbers["prefill_median_tokens_per_s"]
+        )
     if "extract_peak_bytes" in numbers and "prefill_peak_bytes" in numbers:
         numbers["ratio_peak_memory_extract_vs_prefill"] = numbers["extract_peak_bytes"] / numbers["prefill_peak_bytes"]
         if "extract_peak_without_kv_bytes" in numbers and "prefill_peak_without_kv_bytes" in numbers:
             numbers["ratio_peak_without_kv_extract_vs_prefill"] = (
-                numbers["extract_peak_without_kv_bytes"] / numbers["prefill_peak_without_kv_bytes"])
+                numbers["extract_peak_without_kv_bytes"] / numbers["prefill_peak_without_kv_bytes"]
+            )
 
     gib = 1 << 30
     lines = [
@@ -490,14 +564,25 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
             f"| {side} | {numbers[f'{side}_tokens_per_s']:.0f} | {numbers[f'{side}_median_tokens_per_s']:.0f} | "
             f"{numbers[f'{side}_tflops']:.3g} | "
             f"{f'{frac:.1%}' if frac is not None else '-'} | {f'{peak / gib:.2f}' if peak else '-'} | "
-            f"{f'{kv / gib:.2f}' if kv else '-'} | {f'{wo / gib:.2f}' if wo is not None else '-'} |")
+            f"{f'{kv / gib:.2f}' if kv else '-'} | {f'{wo / gib:.2f}' if wo is not None else '-'} |"
+        )
     lines.append("")
-    for key in ("ratio_extract_vs_prefill", "ratio_extract_vs_prefill_median", "ratio_extract_vs_hf",
-                "ratio_extract_vs_hf_median", "ratio_peak_memory_extract_vs_prefill",
-                "ratio_peak_without_kv_extract_vs_prefill", "extract_collect_fraction",
-                "ratio_extract_without_collect_vs_prefill", "ratio_extract_without_collect_vs_prefill_median",
-                "extract_after_collect_fraction", "copy_states_seconds", "ceiling_extract_vs_prefill_median",
-                "worker_pack_seconds_median", "worker_pack_gbytes_per_s"):
+    for key in (
+        "ratio_extract_vs_prefill",
+        "ratio_extract_vs_prefill_median",
+        "ratio_extract_vs_hf",
+        "ratio_extract_vs_hf_median",
+        "ratio_peak_memory_extract_vs_prefill",
+        "ratio_peak_without_kv_extract_vs_prefill",
+        "extract_collect_fraction",
+        "ratio_extract_without_collect_vs_prefill",
+        "ratio_extract_without_collect_vs_prefill_median",
+        "extract_after_collect_fraction",
+        "copy_states_seconds",
+        "ceiling_extract_vs_prefill_median",
+        "worker_pack_seconds_median",
+        "worker_pack_gbytes_per_s",
+    ):
         if key in numbers:
             lines.append(f"{key}: {numbers[key]:.3f}")
     if "hf_forward_only_tokens_per_s" in numbers:
@@ -526,8 +611,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="cProfile one extra extraction call (not timed)")
     parser.add_argument("--side-timeout", type=int, default=480, help="seconds for one side")
     parser.add_argument("--time-budget", type=int, default=None, help="seconds for the whole run (sides get the rest)")
-    parser.add_argument("--resummarize", type=Path, default=None,
-                        help="print the summary of an earlier results.json again (no run)")
+    parser.add_argument(
+        "--resummarize", type=Path, default=None, help="print the summary of an earlier results.json again (no run)"
+    )
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--side-input", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -600,10 +686,17 @@ def main(argv: list[str]) -> int:
         results["extract"] = run_side(args, out, "extract")
     engine = dict((results.get("extract") or {}).get("engine") or {})
     if not engine:  # no extraction side: speculators' settings, written out
-        engine = {"dtype": args.dtype, "max_model_len": args.max_model_len, "block_size": None,
-                  "enable_prefix_caching": False, "max_num_seqs": 32,
-                  "max_num_batched_tokens": max(8192, args.max_model_len), "async_scheduling": False,
-                  "enforce_eager": True, "gpu_memory_utilization": args.gpu_memory_utilization}
+        engine = {
+            "dtype": args.dtype,
+            "max_model_len": args.max_model_len,
+            "block_size": None,
+            "enable_prefix_caching": False,
+            "max_num_seqs": 32,
+            "max_num_batched_tokens": max(8192, args.max_model_len),
+            "async_scheduling": False,
+            "enforce_eager": True,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+        }
     if results.get("extract"):
         engine["kv_cache_bytes"] = results["extract"]["memory"].get("kv_cache_bytes")
     if "prefill" in wanted:
@@ -614,11 +707,17 @@ def main(argv: list[str]) -> int:
             n = shape["layers"]
             chosen = args.extract_layers
             layers = [int(x) for x in chosen.split(",")] if chosen else [2, n // 2, n - 3, n - 1]
-        results["hf"] = run_side(args, out, "hf", {"layers": layers,
-                                                   "max_num_batched_tokens": engine["max_num_batched_tokens"]})
+        results["hf"] = run_side(
+            args, out, "hf", {"layers": layers, "max_num_batched_tokens": engine["max_num_batched_tokens"]}
+        )
     numbers, table = summarize(args, shape, results)
-    report = {"args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(out)}, "shape": shape,
-              "sides": results, "numbers": numbers, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    report = {
+        "args": {k: v for k, v in vars(args).items() if k != "out"} | {"out": str(out)},
+        "shape": shape,
+        "sides": results,
+        "numbers": numbers,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "summary.md").write_text(table + "\n")
     print(table, flush=True)

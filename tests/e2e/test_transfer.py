@@ -60,8 +60,9 @@ class Worker:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.n = 0
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, cwd=tmp)  # not the checkout: the installed vllm_compat
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp
+        )  # not the checkout: the installed vllm_compat
 
     def pack(self, seed: int, rows: int, as_dict: bool = False) -> dict:
         self.n += 1
@@ -156,7 +157,6 @@ def test_no_room_falls_back_to_the_rpc_reply(monkeypatch: pytest.MonkeyPatch, ca
     assert list(tmp_path.iterdir()) == []
 
 
-
 EQUIVALENCE = textwrap.dedent(
     """
     import inspect, json, pickle, sys, types
@@ -203,8 +203,10 @@ EQUIVALENCE = textwrap.dedent(
     ("steps", "metadata"),
     [
         # a request split over three steps, others between its pieces; an id that sorts before req_0_2 as a string
-        ([7, 5, 9], [[("req_0_0", 4), ("req_0_1", 3)], [("req_0_2", 2), ("req_0_1", 3)],
-                     [("req_0_1", 1), ("req_0_10", 8)]]),
+        (
+            [7, 5, 9],
+            [[("req_0_0", 4), ("req_0_1", 3)], [("req_0_2", 2), ("req_0_1", 3)], [("req_0_1", 1), ("req_0_10", 8)]],
+        ),
         # a step with more captured rows than its metadata counts: speculators' running index is kept as it is
         ([7, 6], [[("req_1_0", 4), ("req_1_1", 3)], [("req_1_1", 2), ("req_1_2", 3)]]),
         # metadata past the captured rows: the last slice comes out short, as speculators' slicing does
@@ -220,8 +222,14 @@ def test_per_request_collect_equals_speculators(steps, metadata, tmp_path: Path)
     if importlib.util.find_spec("speculators") is None:  # found, not imported: the child imports it after vllm_compat
         pytest.skip("needs speculators")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}  # the child is a user's process
-    done = subprocess.run([sys.executable, "-c", EQUIVALENCE, json.dumps([steps, metadata])], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)  # not the checkout
+    done = subprocess.run(
+        [sys.executable, "-c", EQUIVALENCE, json.dumps([steps, metadata])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )  # not the checkout
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in result:
