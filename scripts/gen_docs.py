@@ -2,15 +2,16 @@
 """Generate docs/compatibility.md and docs/adapters.md from real probe runs and the adapters' own metadata.
 
     python scripts/gen_docs.py                                  # probe every vLLM minor 0.11..0.33, write both pages
-    python scripts/gen_docs.py --e2e-report matrix.json         # add the end-to-end matrix results
+    python scripts/gen_docs.py --e2e-report matrix.json         # the end-to-end results of another matrix run
     python scripts/gen_docs.py --check                          # exit 1 if the pages are not up to date
 
 docs/compatibility.md: for every vLLM release, the probes run over its wheel (``vllm_compat.sources.fetch_release``,
 then ``StaticView``: nothing installed, nothing imported) and judged for both speculators lines; with
 ``--e2e-report`` (the JSON that ``scripts/e2e_matrix.py --report`` writes) each cell also shows what the unchanged
-speculators extraction (and training step) did on that release's real vLLM engine. docs/adapters.md: one entry per
-adapter, from its class attributes and docstring. Wheels are fetched once into ``--cache`` (else
-``$VLLM_COMPAT_CACHE``, else ``~/.cache/vllm-compat/wheels``). Never edit the two pages by hand.
+speculators extraction (and training step) did on that release's real vLLM engine. Without ``--e2e-report``,
+docs/e2e-matrix.json (the report of the last clean matrix run, committed with the pages) is used where present.
+docs/adapters.md: one entry per adapter, from its class attributes and docstring. Wheels are fetched once into
+``--cache`` (else ``$VLLM_COMPAT_CACHE``, else ``~/.cache/vllm-compat/wheels``). Never edit the two pages by hand.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm_compat.sources import cache_dir, fetch_release
 from vllm_compat.versions import SPECULATORS_LINES
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_E2E_REPORT = ROOT / "docs" / "e2e-matrix.json"  # the last clean `scripts/e2e_matrix.py --report` run
 LINES = tuple(SPECULATORS_LINES)
 DEFAULT_VERSIONS = [f"0.{minor}.0" for minor in range(11, 34)]
 COMMAND = "python scripts/gen_docs.py"
@@ -295,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
     args = parser.parse_args(argv)
 
+    if args.e2e_report is None and DEFAULT_E2E_REPORT.exists():
+        args.e2e_report = DEFAULT_E2E_REPORT
     versions = sorted(set(args.versions or DEFAULT_VERSIONS), key=Version)
     plans, missing = probe_releases(versions, args.cache or cache_dir())
     if not plans:
