@@ -160,6 +160,17 @@ def _function(view: ApiView, dotted: str) -> tuple[ast.FunctionDef, Location | N
     return (fn, loc) if fn is not None else None  # type: ignore[return-value]
 
 
+def _base_forward(fam: Family, view: ApiView) -> tuple[ast.FunctionDef, Location | None] | Observation:
+    """The decoder stack's ``forward`` as ast, or the observation saying why not (family absent, unreadable)."""
+    absent = _absent(fam, view)
+    if absent:
+        return absent
+    found = _function(view, f"{fam.base}.forward")
+    if found is None:
+        return Observation.unknown(f"{fam.short(fam.base)}.forward is not readable")
+    return found
+
+
 def _own_nodes(fn: ast.AST) -> Iterator[ast.AST]:
     """The nodes of a function body, not descending into nested functions, lambdas or classes."""
     stack = list(ast.iter_child_nodes(fn))
@@ -379,13 +390,9 @@ def _layer_loop(fn: ast.FunctionDef) -> tuple[ast.For, ast.Call, ast.AST] | None
 
 
 def _layer_inputs(fam: Family, view: ApiView) -> Observation:
-    absent = _absent(fam, view)
-    if absent:
-        return absent
-    dotted = f"{fam.base}.forward"
-    found = _function(view, dotted)
-    if found is None:
-        return Observation.unknown(f"{fam.short(fam.base)}.forward is not readable")
+    found = _base_forward(fam, view)
+    if isinstance(found, Observation):
+        return found
     fn, loc = found
     where = evidence(loc)
     loop = _layer_loop(fn)
@@ -439,13 +446,9 @@ def _layer_attributes(fam: Family, view: ApiView) -> Observation:
 
 
 def _final_norm(fam: Family, view: ApiView) -> Observation:
-    absent = _absent(fam, view)
-    if absent:
-        return absent
-    dotted = f"{fam.base}.forward"
-    found = _function(view, dotted)
-    if found is None:
-        return Observation.unknown(f"{fam.short(fam.base)}.forward is not readable")
+    found = _base_forward(fam, view)
+    if isinstance(found, Observation):
+        return found
     fn, loc = found
     calls = [
         n

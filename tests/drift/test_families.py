@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from vllm_compat.probes.model import FAMILIES, PROBES
 
+from tests.drift import by_version, plan_getter
 from vllm_compat.apiview.static import StaticView
 from vllm_compat.errors import SourceError
 from vllm_compat.findings import State
@@ -191,23 +192,13 @@ EXPECTED_BASELINE: dict[str, set[Drift]] = {
     },
 }
 
-RELEASES = sorted(EXPECTED_FAMILY_DRIFT, key=lambda v: tuple(int(x) for x in v.split(".")))
+RELEASES = by_version(EXPECTED_FAMILY_DRIFT)
 
 
 @pytest.fixture(scope="module")
 def plan_for():
-    plans: dict[str, Plan] = {}
-
-    def get(release: str) -> Plan:
-        if release not in plans:
-            try:
-                wheel = fetch_release(release)
-            except SourceError as exc:
-                pytest.skip(f"vllm=={release} is not cached and cannot be fetched: {exc}")
-            plans[release] = make_plan(StaticView(wheel), LINES, families="all")
-        return plans[release]
-
-    return get
+    """release -> its Plan, computed once per module run."""
+    return plan_getter(LINES, families="all")
 
 
 def _family_findings(plan: Plan):

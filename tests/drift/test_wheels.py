@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_compat.apiview.static import StaticView
-from vllm_compat.errors import SourceError
+from tests.drift import by_version, plan_getter
 from vllm_compat.findings import State
-from vllm_compat.plan import Plan, make_plan
-from vllm_compat.sources import fetch_release
+from vllm_compat.plan import Plan
 
 pytestmark = pytest.mark.wheels
 
@@ -254,24 +252,13 @@ EXPECTED_EVIDENCE: dict[tuple[str, str, str], str] = {
     ("0.33.0", "platform.cpu_block_size", V040): "vllm/v1/attention/backends/cpu_attn.py:",
 }
 
-RELEASES = sorted(EXPECTED_DRIFT, key=lambda v: tuple(int(x) for x in v.split(".")))
+RELEASES = by_version(EXPECTED_DRIFT)
 
 
 @pytest.fixture(scope="module")
 def plan_for():
     """release -> its Plan, computed once per module run."""
-    plans: dict[str, Plan] = {}
-
-    def get(release: str) -> Plan:
-        if release not in plans:
-            try:
-                wheel = fetch_release(release)
-            except SourceError as exc:
-                pytest.skip(f"vllm=={release} is not cached and cannot be fetched: {exc}")
-            plans[release] = make_plan(StaticView(wheel), LINES)
-        return plans[release]
-
-    return get
+    return plan_getter(LINES)
 
 
 def _drift(plan: Plan) -> set[Drift]:

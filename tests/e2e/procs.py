@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
 
@@ -125,3 +128,25 @@ def run_in_session(cmd: list[str], env: dict[str, str], timeout: float) -> Finis
     while in_session(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     return Finished(code, out, err, seconds, kill_session(proc.pid))
+
+
+def run_robustness(mode: str, model: Path, out: Path, extra: list[str] | None = None) -> dict[str, Any]:
+    """Run tests/e2e/robustness.py ``mode`` in its own session; its record, with exit code, leftovers and stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    script = Path(__file__).with_name("robustness.py")
+    cmd = [sys.executable, str(script), mode, "--model", str(model), "--out", str(out), *(extra or [])]
+    done = run_in_session(cmd, env, timeout=1500)
+    assert out.exists(), f"no record (exit {done.returncode}):\n{done.stderr[-4000:]}"
+    record = json.loads(out.read_text())
+    record["exit"], record["left"], record["stderr"] = done.returncode, [p.cmdline for p in done.left], done.stderr
+    return record
+
+
+def case(run: dict[str, Any], name: str) -> dict[str, Any]:
+    """One case of a robustness record; it must have run and not hung."""
+    found = run["cases"].get(name)
+    assert found is not None, f"{name} did not run: {sorted(run['cases'])} (stderr: {run['stderr'][-2000:]})"
+    assert found["outcome"] != "hang", f"{name} hung for {found['seconds']} s"
+    return found

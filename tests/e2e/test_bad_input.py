@@ -8,9 +8,6 @@ The messages the user sees are asserted exactly.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,24 +72,9 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bad-input") / "inputs.json"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    cmd = [sys.executable, str(HERE / "robustness.py"), "inputs", "--model", str(tiny_model), "--out", str(out)]
-    cmd += ["--max-model-len", str(MAX_MODEL_LEN)]
-    done = procs.run_in_session(cmd, env, timeout=1500)
-    assert out.exists(), f"no record (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    record = json.loads(out.read_text())
-    record["exit"], record["left"], record["stderr"] = done.returncode, [p.cmdline for p in done.left], done.stderr
+    record = procs.run_robustness("inputs", tiny_model, out, ["--max-model-len", str(MAX_MODEL_LEN)])
     assert record["cases"]["start"]["outcome"] == "ok", record["cases"]["start"]
     return record
-
-
-def case(run: dict[str, Any], name: str) -> dict[str, Any]:
-    found = run["cases"].get(name)
-    assert found is not None, f"{name} did not run: {sorted(run['cases'])} (stderr: {run['stderr'][-2000:]})"
-    assert found["outcome"] != "hang", f"{name} hung for {found['seconds']} s"
-    return found
 
 
 def assert_still_usable(found: dict[str, Any]) -> None:
@@ -102,7 +84,7 @@ def assert_still_usable(found: dict[str, Any]) -> None:
 
 
 def test_a_valid_call(run) -> None:
-    found = case(run, "valid")
+    found = procs.case(run, "valid")
     assert found["outcome"] == "ok"
     assert [r["input_len"] for r in found["result"]] == [4, 3]
     assert_still_usable(found)
@@ -110,7 +92,7 @@ def test_a_valid_call(run) -> None:
 
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_bad_input_gives_a_clear_error_and_the_engine_stays_usable(run, name: str) -> None:
-    found = case(run, name)
+    found = procs.case(run, name)
     error_type, message = ERRORS[name]
     assert (found["outcome"], found.get("error_type"), found.get("message")) == ("error", error_type, message)
     assert found["seconds"] < 5, "checked before any request reached vLLM"
@@ -120,7 +102,7 @@ def test_bad_input_gives_a_clear_error_and_the_engine_stays_usable(run, name: st
 def test_a_sequence_longer_than_max_model_len_is_truncated(run) -> None:
     """speculators' own behaviour, kept: each sequence is cut to max_model_len - 1 tokens (one is left for the
     sampled token vLLM insists on), and the states cover exactly the kept tokens."""
-    found = case(run, "longer_than_max_model_len")
+    found = procs.case(run, "longer_than_max_model_len")
     assert found["outcome"] == "ok", found.get("message")
     (result,) = found["result"]
     assert result["input_len"] == MAX_MODEL_LEN - 1
@@ -133,7 +115,7 @@ def test_more_sequences_than_max_num_seqs(run) -> None:
     aborts each request after its step, so all 40 are served; 0.4.0.1 keeps the first 32 running until the end and
     never schedules the rest: it raises "Request req_N_32 not found in captured states". Either way the generator
     must stay usable (the requests the failed call left are aborted)."""
-    found = case(run, "more_sequences_than_max_num_seqs")
+    found = procs.case(run, "more_sequences_than_max_num_seqs")
     if found["outcome"] == "ok":
         assert len(found["result"]) == 40
     else:
@@ -144,7 +126,7 @@ def test_more_sequences_than_max_num_seqs(run) -> None:
 
 
 def test_a_worker_killed_during_generate(run) -> None:
-    found = case(run, "worker_killed")
+    found = procs.case(run, "worker_killed")
     assert found["killed_while_running"], "the worker died after generate() had returned: nothing was tested"
     assert (found["outcome"], found.get("error_type")) == ("error", "builtins.RuntimeError")
     assert found["message"] == f"{G} failed: {GONE}"

@@ -8,8 +8,6 @@ and, through its traceback, the half-built generator.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,27 +39,13 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("constructor") / "constructor.json"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    cmd = [sys.executable, str(HERE / "robustness.py"), "constructor", "--model", str(tiny_model), "--out", str(out)]
-    done = procs.run_in_session(cmd, env, timeout=1500)
-    assert out.exists(), f"no record (exit {done.returncode}):\n{done.stderr[-4000:]}"
-    record = json.loads(out.read_text())
-    record["exit"], record["left"], record["stderr"] = done.returncode, [p.cmdline for p in done.left], done.stderr
+    record = procs.run_robustness("constructor", tiny_model, out)
     return record
-
-
-def case(run: dict[str, Any], name: str) -> dict[str, Any]:
-    found = run["cases"].get(name)
-    assert found is not None, f"{name} did not run: {sorted(run['cases'])} (stderr: {run['stderr'][-2000:]})"
-    assert found["outcome"] != "hang", f"{name} hung for {found['seconds']} s"
-    return found
 
 
 @pytest.mark.parametrize("name", sorted(ERRORS))
 def test_rejected_before_anything_loads(run, name: str) -> None:
-    found = case(run, name)
+    found = procs.case(run, name)
     error_type, message = ERRORS[name]
     assert (found["outcome"], found.get("error_type"), found.get("message")) == ("error", error_type, message)
     assert found["workers_after"] == []
@@ -69,7 +53,7 @@ def test_rejected_before_anything_loads(run, name: str) -> None:
 
 
 def test_a_failure_after_the_workers_started_shuts_them_down(run) -> None:
-    found = case(run, "kv_cache_too_small")
+    found = procs.case(run, "kv_cache_too_small")
     assert found["outcome"] == "error", "a 0-byte KV-cache budget must fail"
     # vLLM's own checks: `assert num_gpu_blocks is not None and num_gpu_blocks > 0` in its Scheduler (no message),
     # or, in releases that check it while planning, a ValueError about the available memory

@@ -47,6 +47,32 @@ MAX_MODEL_LEN = 2048
 ON_CPU = os.environ.get("VLLM_COMPAT_GPU_TESTS_ON_CPU", "") == "1"
 
 
+def record(name: str, value: object) -> None:
+    """Print a result line and add it to the JSON report at ``VLLM_COMPAT_GPU_REPORT`` (if set)."""
+    name = f"speculators {speculators_version()}: {name}"
+    print(f"{name}: {value}")
+    report = os.environ.get("VLLM_COMPAT_GPU_REPORT")
+    if report:
+        path = Path(report)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = value
+        path.write_text(json.dumps(data, indent=2))
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an extraction subprocess: offline, spawned workers, vllm-compat not disabled."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **(extra or {}),
+    }
+    env.pop("VLLM_COMPAT_DISABLE", None)
+    return env
+
+
 def speculators_version() -> str:
     """The speculators the tests run against (the first on sys.path, as in the extraction process)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -197,15 +223,7 @@ def run_extract(
         cmd += ["--attention-backend", backend]
     if not compat:
         cmd.append("--no-compat")
-    full_env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        **(env or {}),
-    }
-    full_env.pop("VLLM_COMPAT_DISABLE", None)
+    full_env = child_env(env)
     if not compat:
         full_env["VLLM_COMPAT_DISABLE"] = "1"
     done = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900, check=False)

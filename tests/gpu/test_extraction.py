@@ -7,26 +7,11 @@ repeated calls, the first and the last layer, results in input order; see confte
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
 import pytest
 
-from tests.gpu.conftest import ABS_TOL, REL_TOL, compare, run_extract, speculators_version
+from tests.gpu.conftest import ABS_TOL, REL_TOL, compare, record, run_extract, speculators_version
 
 pytestmark = pytest.mark.gpu
-REPORT = os.environ.get("VLLM_COMPAT_GPU_REPORT")
-
-
-def _record(name: str, value: object) -> None:
-    name = f"speculators {speculators_version()}: {name}"
-    print(f"{name}: {value}")
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = value
-        path.write_text(json.dumps(data, indent=2))
 
 
 def _check(cmp) -> None:
@@ -56,13 +41,13 @@ def test_states_match_transformers(model_dir, calls, reference, tmp_path) -> Non
         for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True)
     )
     assert run.data["status"]["speculators_version"] == speculators_version()
-    _record("comparison", cmp.as_dict())
-    _record("repeated call max abs diff to its first run", repeat)
-    _record("init_seconds", round(run.data["init_seconds"], 1))
-    _record("call_seconds", [round(s, 3) for s in run.data["call_seconds"]])
-    _record("tokens per call", [sum(map(len, call)) for call in calls])
-    _record("applied", sorted(run.data["status"]["applied"]))
-    _record("worker_applied", sorted(run.data["workers"][0]["applied"]))
+    record("comparison", cmp.as_dict())
+    record("repeated call max abs diff to its first run", repeat)
+    record("init_seconds", round(run.data["init_seconds"], 1))
+    record("call_seconds", [round(s, 3) for s in run.data["call_seconds"]])
+    record("tokens per call", [sum(map(len, call)) for call in calls])
+    record("applied", sorted(run.data["status"]["applied"]))
+    record("worker_applied", sorted(run.data["workers"][0]["applied"]))
     _check(cmp)
     assert run.data["workers"], "no worker answered"
     for worker in run.data["workers"]:
@@ -80,7 +65,7 @@ def test_fallback_extension_without_plugin(model_dir, calls, reference, tmp_path
         assert not worker["plugin_loaded"] and worker["installed"]
         assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"]
     cmp = compare(run.data["outputs"], calls[:2], reference)
-    _record("fallback comparison", cmp.as_dict())
+    record("fallback comparison", cmp.as_dict())
     _check(cmp)
 
 
@@ -89,12 +74,12 @@ def test_without_vllm_compat_it_breaks(model_dir, calls, reference, tmp_path) ->
     run = run_extract(model_dir, calls, tmp_path, compat=False)
     if run.returncode != 0:
         last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:]
-        _record("without_compat", f"fails: {last[0] if last else run.returncode}")
+        record("without_compat", f"fails: {last[0] if last else run.returncode}")
         return
     try:
         cmp = compare(run.data["outputs"], calls, reference)
     except AssertionError as exc:
-        _record("without_compat", f"wrong results: {exc}")
+        record("without_compat", f"wrong results: {exc}")
         return
-    _record("without_compat", f"worst ratio {cmp.worst_ratio:.2f} ({cmp.as_dict()})")
+    record("without_compat", f"worst ratio {cmp.worst_ratio:.2f} ({cmp.as_dict()})")
     assert cmp.worst_ratio > 1.0, "without vllm-compat the states were right: this release needs no adapter"

@@ -54,14 +54,14 @@ from tests.gpu.conftest import (
     MAX_MODEL_LEN,
     ON_CPU,
     REL_TOL,
+    child_env,
     compare,
     device,
-    speculators_version,
+    record,
 )
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
-REPORT = os.environ.get("VLLM_COMPAT_GPU_REPORT")
 MLA_BACKEND = os.environ.get("VLLM_COMPAT_MLA_BACKEND", "TRITON_MLA")
 
 # binary -> (module to import in a fresh interpreter, what it serves)
@@ -117,29 +117,6 @@ def family_calls() -> list[list[list[int]]]:
     ]
 
 
-def _record(name: str, value: object) -> None:
-    name = f"speculators {speculators_version()}: {name}"
-    print(f"{name}: {value}")
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = value
-        path.write_text(json.dumps(data, indent=2))
-
-
-def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        **(extra or {}),
-    }
-    env.pop("VLLM_COMPAT_DISABLE", None)
-    return env
-
-
 def _import_error(modules: tuple[str, ...], cwd: Path) -> str | None:
     """None if one of ``modules`` imports in a fresh interpreter (outside the checkout), else the last error line."""
     errors = []
@@ -149,7 +126,7 @@ def _import_error(modules: tuple[str, ...], cwd: Path) -> str | None:
             capture_output=True,
             text=True,
             cwd=cwd,
-            env=_child_env(),
+            env=child_env(),
             timeout=300,
             check=False,
         )
@@ -227,7 +204,7 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     if not hasattr(transformers, case.config_class):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config_class}")
     if case.module and (error := _import_error((case.module,), tmp_path)):
-        _record(f"family {family}", f"skipped: vLLM's model module does not import here: {error}")
+        record(f"family {family}", f"skipped: vLLM's model module does not import here: {error}")
         pytest.skip(f"vLLM's {case.module} does not import here: {error}")
     from tests.gpu.family_models import build
 
@@ -245,14 +222,14 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     ]
     cmd += ["--layers", ",".join(map(str, LAYERS)), "--out", str(out), "--max-model-len", str(MAX_MODEL_LEN)]
     cmd += _harness_args(case)
-    done = subprocess.run(cmd, env=_child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(cmd, env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     output = done.stdout + done.stderr  # vLLM's workers log their errors on stdout
     if done.returncode != 0:
         why = _last_error(output)
         missing = {} if ON_CPU else {k: e for k in case.needs if (e := _import_error(_BINARIES[k][0], tmp_path))}
         if missing:
             lacking = "; ".join(f"{_BINARIES[k][1]} missing ({e})" for k, e in missing.items())
-            _record(f"family {family}", f"skipped: vLLM failed: {why} -- {lacking}")
+            record(f"family {family}", f"skipped: vLLM failed: {why} -- {lacking}")
             pytest.skip(f"{family}: vLLM failed with {why!r}; this vLLM install lacks {lacking}")
         pytest.fail(f"{family}: the extraction failed: {why}\n{output[-6000:]}")
     import torch
@@ -266,9 +243,9 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
             for result in results:
                 result["hidden_states"] = [t.to(torch.bfloat16) for t in result["hidden_states"]]
     cmp = compare(outputs, calls, _reference(family, model, calls, float32_run))
-    _record(f"family {family}", cmp.as_dict())
-    _record(f"family {family} init_seconds", round(data["init_seconds"], 1))
-    _record(f"family {family} worker_applied", sorted(data["workers"][0]["applied"]) if data["workers"] else None)
+    record(f"family {family}", cmp.as_dict())
+    record(f"family {family} init_seconds", round(data["init_seconds"], 1))
+    record(f"family {family} worker_applied", sorted(data["workers"][0]["applied"]) if data["workers"] else None)
     assert cmp.tensors == sum(map(len, calls)) * len(LAYERS)
     assert cmp.worst_ratio <= 1.0, (
         f"max|diff| exceeds {REL_TOL} * max|ref| + {ABS_TOL} (worst ratio {cmp.worst_ratio:.2f}, {cmp.as_dict()})"
