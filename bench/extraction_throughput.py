@@ -6,9 +6,10 @@ spawns its workers and re-imports the main module; a process that initialised CU
 - ``extract``: speculators' unchanged ``VllmHiddenStatesGenerator`` with ``import vllm_compat`` first, one
   ``generate()`` per call of ``--seqs-per-call`` prompts; states for ``--layers`` (speculators' default choice if
   omitted) come back as CPU tensors. Measured apart per call: the engine steps and the scheduler (timed from the
-  parent), the one ``_get_captured_states`` RPC that hands the states over (and the worker's copy into the
-  shared-memory arena, with its bandwidth), and what follows it (speculators' own ``.clone().cpu()`` of every
-  state); after the timed calls, that copy alone, and the ceiling it sets on extraction / prefill.
+  parent), the one ``_get_captured_states`` RPC that hands the states over (and the worker's copy into the call's
+  shared-memory segment, with its bandwidth, and whether that segment was prepared ahead), and what follows it
+  (speculators' ``.clone().cpu()`` of every state, a hand-over under vllm-compat); after the timed calls, what
+  that copy costs where it really copies (the time the hand-over saves).
 - ``prefill``: ``LLM.generate`` with ``max_tokens=1`` on the engine settings the generator ended up with (dtype,
   block size, max_num_seqs, max_num_batched_tokens, prefix caching off, async scheduling as the generator had it,
   eager mode, the same KV-cache size where vLLM takes ``kv_cache_memory_bytes``, the same attention backend).
@@ -140,7 +141,7 @@ def _transfer_stats(worker=None) -> dict:
         from vllm_compat.adapters import transfer
     except ImportError:
         return {}
-    return dict(transfer._ARENA.stats)
+    return dict(transfer._SEGMENTS.stats)
 
 
 def _time_phases(generator, seconds: dict) -> dict:
@@ -263,12 +264,13 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
             "extract",
             f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s "
             f"(collecting states {got:.3f}s, of it the worker's "
-            f"copy into the arena {pack.get('seconds', float('nan')):.3f}s for "
-            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}; "
+            f"copy into its segment {pack.get('seconds', float('nan')):.3f}s for "
+            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}, "
+            f"prepared ahead={pack.get('prepared')}, waited {pack.get('waited_seconds', float('nan')):.3f}s; "
             f"after it {tail:.3f}s; steps {phases})",
         )
         phases.clear()
-    # speculators' own copy of the returned states, timed alone: host tensors of the same sizes cloned once more
+    # speculators' copy of the returned states where it really copies (without the hand-over): timed alone
     copy_seconds = []
     for _ in range(3):
         start = time.perf_counter()
@@ -509,11 +511,8 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
             numbers["hf_forward_only_tokens_per_s"] = tokens / sum(results["hf"]["forward_seconds"])
         if e.get("after_collect_seconds"):
             numbers["extract_after_collect_fraction"] = sum(e["after_collect_seconds"]) / sum(e["call_seconds"])
-        if e.get("copy_states_seconds") and results.get("prefill"):
-            # the bound speculators' own copy of the states sets: a prefill call plus that copy, per call
-            prefill_call = statistics.median(results["prefill"]["call_seconds"])
-            numbers["copy_states_seconds"] = e["copy_states_seconds"]
-            numbers["ceiling_extract_vs_prefill_median"] = prefill_call / (prefill_call + e["copy_states_seconds"])
+        if e.get("copy_states_seconds"):
+            numbers["copy_states_seconds"] = e["copy_states_seconds"]  # per call, saved by the hand-over
         packs = [p for p in e.get("worker_pack") or [] if p.get("seconds") is not None]
         if packs:
             numbers["worker_pack_seconds_median"] = statistics.median(p["seconds"] for p in packs)
@@ -521,6 +520,8 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
                 statistics.median(p["bytes"] for p in packs) / 1e9 / numbers["worker_pack_seconds_median"]
             )
             numbers["worker_pack_pinned"] = all(p.get("pinned") for p in packs)
+            numbers["worker_prepared_fraction"] = sum(bool(p.get("prepared")) for p in packs) / len(packs)
+            numbers["worker_wait_seconds_median"] = statistics.median(p.get("waited_seconds", 0.0) for p in packs)
         numbers["extract_parent_peak_bytes"] = e["parent_memory"].get(
             "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes")
         )
@@ -579,9 +580,10 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         "ratio_extract_without_collect_vs_prefill_median",
         "extract_after_collect_fraction",
         "copy_states_seconds",
-        "ceiling_extract_vs_prefill_median",
         "worker_pack_seconds_median",
         "worker_pack_gbytes_per_s",
+        "worker_prepared_fraction",
+        "worker_wait_seconds_median",
     ):
         if key in numbers:
             lines.append(f"{key}: {numbers[key]:.3f}")

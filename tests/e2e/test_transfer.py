@@ -1,10 +1,11 @@
-"""The states-through-shared-memory arena between two real processes (torch needed; no engine).
+"""The states-through-shared-memory hand-over between two real processes (torch needed; no engine).
 
 A child process stands in for vLLM's worker: it packs tensors as the adapter does after speculators'
 ``_get_captured_states`` and writes the pickled reply; this process unpickles it as vLLM's executor does in the
-generator's process. What users rely on: bit-identical values and structure, an arena reused call after call (and
-grown when a call needs more), nothing left in /dev/shm, values that speculators' copy keeps after the next call,
-and a fallback to the RPC reply where /dev/shm has no room.
+generator's process. What users rely on: bit-identical values and structure, each call's states in memory of their
+own (a later call never overwrites them, and speculators' ``.clone()`` hands that memory over instead of copying),
+the next call's segment prepared ahead, nothing left in /dev/shm or mapped in the worker, memory freed with the last
+tensor, and a fallback to the RPC reply where /dev/shm has no room.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ needs_shm = pytest.mark.skipif(not os.path.isdir(transfer.SHM_DIR), reason="no /
 CHILD = textwrap.dedent(
     """
     import pickle, sys, torch
-    from vllm_compat.adapters.transfer import SharedStates, _ARENA
+    from vllm_compat.adapters.transfer import SharedStates, _SEGMENTS
 
     def states(seed, rows, as_dict):
         g = torch.Generator().manual_seed(seed)
@@ -40,7 +41,7 @@ CHILD = textwrap.dedent(
         seed, rows, as_dict, out = line.split()
         handle = SharedStates.pack(states(int(seed), int(rows), as_dict == "1"))
         with open(out, "wb") as f:
-            pickle.dump({"handle": handle, "stats": dict(_ARENA.stats), "path": _ARENA.path}, f)
+            pickle.dump({"handle": handle, "stats": dict(_SEGMENTS.stats), "path": handle.path}, f)
         print("ok", flush=True)
     """
 )
@@ -70,7 +71,7 @@ class Worker:
         self.proc.stdin.write(f"{seed} {rows} {int(as_dict)} {out}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "ok"
-        return pickle.loads(out.read_bytes())  # unpickling maps the arena: what the generator's process does
+        return pickle.loads(out.read_bytes())  # unpickling maps the segment: what the generator's process does
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -103,34 +104,69 @@ def test_values_and_structure_survive(worker: Worker, as_dict: bool) -> None:
     assert same(reply, expected(1, 100, as_dict))
 
 
+def mapped(pid: int | str, path: str) -> bool:
+    """Whether a process still maps the segment (its name may be gone: maps then say "(deleted)")."""
+    return path in Path(f"/proc/{pid}/maps").read_text()
+
+
 @needs_shm
-def test_arena_is_reused_grown_and_leaves_no_name(worker: Worker) -> None:
+def test_each_call_has_its_own_segment_prepared_ahead_and_leaves_no_name(tmp_path: Path) -> None:
     before = ours()
-    first = worker.pack(1, 100)
-    assert first["path"] not in ours(), "the generator's process removes the arena's name once it mapped it"
-    second = worker.pack(2, 50)  # smaller: same arena
-    assert second["path"] == first["path"]
-    assert same(second["handle"], expected(2, 50, False))
-    rows = 2 * transfer._STEP // (8 * 2 * 3)  # more than the first arena (one 2 MiB step): a new, larger one
-    third = worker.pack(3, rows)
-    assert third["path"] != first["path"] and third["stats"]["arena_bytes"] > first["stats"]["arena_bytes"]
-    assert same(third["handle"], expected(3, rows, False))
-    assert first["path"] not in transfer._MAPPED, "the old arena's mapping is dropped here"
-    assert ours() <= before
+    w = Worker(tmp_path)
+    try:
+        first = w.pack(1, 100)
+        assert first["path"] not in ours(), "the generator's process removes a segment's name once it mapped it"
+        assert not first["stats"]["prepared"], "nothing to prepare before the first call"
+        second = w.pack(2, 50)  # smaller: the segment prepared while the caller worked
+        assert second["path"] != first["path"] and second["stats"]["prepared"]
+        assert same(second["handle"], expected(2, 50, False))
+        assert same(first["handle"], expected(1, 100, False)), "a later call never overwrites an earlier one's states"
+        assert not mapped(w.proc.pid, first["path"]), "the worker lets go of a segment once it is handed over"
+        rows = 4 * transfer._STEP // (8 * 2 * 3)  # more than the prepared segment holds: made on the spot
+        third = w.pack(3, rows)
+        assert not third["stats"]["prepared"] and third["stats"]["segment_bytes"] >= rows * 8 * 2 * 3
+        assert same(third["handle"], expected(3, rows, False))
+    finally:
+        w.close()
+    assert ours() <= before, "the segment prepared for a next call is removed when the worker exits"
 
 
 @needs_shm
-def test_speculators_copy_outlives_the_next_call(worker: Worker) -> None:
-    """The views are reused by the next call; what speculators keeps (``.clone().cpu()``) is not."""
+def test_memory_goes_with_the_last_tensor(worker: Worker) -> None:
+    import gc
+
+    reply = worker.pack(1, 100)
+    kept, path = reply["handle"][1], reply["path"]
+    del reply
+    gc.collect()
+    assert mapped("self", path), "a tensor still held keeps its call's memory"
+    assert same(kept, expected(1, 100, False)[1])
+    del kept
+    gc.collect()
+    assert not mapped("self", path), "with the last tensor of the call its memory is unmapped (and freed)"
+
+
+@needs_shm
+def test_speculators_copy_is_a_hand_over(worker: Worker) -> None:
+    """``.clone()`` (after slicing, as 0.3.0 does) gives plain tensors over the call's memory; other ops copy."""
     views = worker.pack(1, 100)["handle"]
-    kept = [h.clone().cpu() for h in views]
+    handed = transfer.handed_over_type()
+    assert all(type(h) is handed for h in views)
+    rows = views[0][10:20]
+    assert type(rows) is handed, "indexing keeps the type"
+    kept = rows.clone().cpu()
+    assert type(kept) is torch.Tensor and kept.data_ptr() == rows.data_ptr(), "handed over, not copied"
+    assert torch.equal(kept, expected(1, 100, False)[0][10:20])
+    doubled = views[0] * 2
+    assert type(doubled) is torch.Tensor and doubled.data_ptr() != views[0].data_ptr()
     worker.pack(2, 100)
-    assert same(kept, expected(1, 100, False))
-    assert not same(views, expected(1, 100, False)), "the arena is reused (views are valid until the next call)"
+    assert torch.equal(kept, expected(1, 100, False)[0][10:20]), "the next call does not touch it"
+    restored = pickle.loads(pickle.dumps(views[1]))  # picklable by name, as torch.save needs
+    assert type(restored) is handed and torch.equal(restored, expected(1, 100, False)[1])
 
 
 @needs_shm
-def test_orphaned_arena_of_a_dead_worker_is_removed(tmp_path: Path) -> None:
+def test_orphaned_segment_of_a_dead_worker_is_removed(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = Path(transfer.SHM_DIR) / f"{transfer.PREFIX}{int(dead.stdout)}_deadbeef"
     orphan.write_bytes(b"x" * 128)
@@ -151,7 +187,7 @@ def test_no_room_falls_back_to_the_rpc_reply(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(transfer, "_WARNED", [])
     states = expected(1, 10, True)
     with caplog.at_level("WARNING", logger="vllm_compat"):
-        returned = transfer.SharedStates.pack(states, arena=transfer._Arena())
+        returned = transfer.SharedStates.pack(states, segments=transfer._Segments())
     assert returned is states
     assert "--shm-size" in caplog.text and "message queue" in caplog.text
     assert list(tmp_path.iterdir()) == []
@@ -183,8 +219,8 @@ EQUIVALENCE = textwrap.dedent(
 
     expected = original(extension())
     ext = extension()
-    arena = transfer._Arena()
-    handle = transfer.collect_per_request(ext, arena=arena)
+    segments = transfer._Segments()
+    handle = transfer.collect_per_request(ext, segments=segments)
     got = pickle.loads(pickle.dumps(handle))  # what the generator's process receives
     print(json.dumps({
         "keys": [list(got), list(expected)],
@@ -194,7 +230,7 @@ EQUIVALENCE = textwrap.dedent(
         "shapes": {k: [list(t.shape) for t in v] for k, v in expected.items()},
         "cleared": ext._captured_states is None and ext._request_metadata == [],
     }))
-    arena.close()
+    segments.close()
     """
 )
 
