@@ -7,9 +7,11 @@ import contextlib
 import logging
 import mmap
 import os
+import struct
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -29,28 +31,28 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page up front: no page
 
 
 class StatesThroughSharedMemory(Adapter):
-    """Hand each call's captured states to the generator in fresh shared memory, prepared while the GPU works.
+    """Hand each call's captured states to the generator in shared memory that its results then own.
 
     What is slow (speculators' design, on every vLLM): ``_get_captured_states`` returns every captured tensor in the
     reply of ``collective_rpc``. vLLM pickles the reply through its worker message queue: a CUDA tensor is copied to
     the host, serialised, sent in chunks, rebuilt on the generator's own GPU and copied once more by speculators
     (``.clone().cpu()``). Measured on an H200 (vLLM 0.22, 4 layers x 2048 x bf16, 32768 tokens per call: 537 MB),
     that reply took 91 % of the extraction time; with the states in a reused shared arena, speculators' own copy
-    out of it (page faults of 537 MB of new memory, on one thread) still took a third.
-    Where fixed: the worker extension's return value. Each call's states go into a shared-memory segment of their
-    own, which becomes the memory of the tensors ``generate()`` returns: the worker copies the states into it (one
-    DMA from the GPU: the segment is registered with CUDA as pinned memory) and returns a small handle; unpickling
-    the handle in the generator's process maps the segment and yields the reply's usual structure (a list of
-    per-layer tensors, or 0.4.0.1's dict of per-request lists). These tensors are speculators' alone, so its
-    ``.clone()`` of them hands over that memory instead of copying it again (``HandedOverStates``). The next
-    call's segment is allocated, zeroed by the kernel, mapped and pinned by a worker thread while the GPU runs
-    the next batch, so no call waits for memory. Values are bit-identical; the reply's shape is unchanged.
-    For 0.4.0.1, whose reply groups the states per request, the worker copies each request's rows straight from
-    the per-step captures into the segment (``collect_per_request``: speculators' grouping, without its three
-    copies of every state on the GPU), so the states of a call occupy the GPU once instead of up to four times.
-    A segment's name is removed as soon as the generator's process has mapped it, so nothing is left in /dev/shm
-    when either process ends; its memory is freed when the last tensor of that call is dropped. Where /dev/shm has
-    no room (a container's default 64 MB), that call's states go through the RPC reply as before, with a warning.
+    out of it (537 MB of new memory, on one thread) still took a third.
+    Where fixed: the worker extension's return value. The worker keeps a pool of shared-memory segments, each
+    mapped and registered with CUDA as pinned memory once. A call's states go into a free segment (one DMA from
+    the GPU) and the reply carries a small handle; unpickling it in the generator's process yields the reply's usual
+    structure (a list of per-layer tensors, or 0.4.0.1's dict of per-request lists) as tensors over that segment.
+    They hold it until the last of them is dropped; then the segment is free and the worker reuses it. So the
+    tensors are the caller's alone, and speculators' ``.clone()`` of them hands that memory over instead of
+    copying it (``HandedOverStates``). After each call a worker thread keeps one free segment of that size ready
+    (allocated and pinned while the GPU runs the next batch). Values are bit-identical; the reply's shape is
+    unchanged. For 0.4.0.1, whose reply groups the states per request, the worker copies each request's rows
+    straight from the per-step captures into the segment (``collect_per_request``: speculators' grouping, without
+    its three copies of every state on the GPU), so the states of a call occupy the GPU once, not up to four times.
+    A segment's name is removed as soon as the generator's process has mapped it, and a spare's when the worker
+    exits, so nothing is left in /dev/shm. Where /dev/shm has no room (a container's default 64 MB), that call's
+    states go through the RPC reply as before, with a warning.
     """
 
     id = "states-through-shared-memory"
@@ -83,16 +85,20 @@ class _Index:
     i: int
 
 
-class _Segment:
-    """One call's states: a file in /dev/shm, mapped in the worker (and pinned for CUDA) until they are copied in."""
+_HEADER = 64  # a segment starts with its state (int64); a call's states follow
+_FREE, _IN_USE, _RETIRED = 0, 1, 2  # written by the worker, except IN_USE -> FREE: the generator, when let go
 
-    def __init__(self, path: str, fd: int, size: int, block: Any, device: int | None, pinned: bool) -> None:
+
+class _Segment:
+    """A file in /dev/shm, mapped (and pinned for CUDA) in the worker for as long as the worker keeps it."""
+
+    def __init__(self, path: str, size: int, mapping: mmap.mmap, block: Any, device: int | None) -> None:
         self.path = path
-        self.fd = fd
         self.size = size
-        self.block: Any = block  # uint8 tensor over the worker's mapping (the mapping lives as long as it does)
+        self.mapping: Any = mapping
+        self.block: Any = block  # uint8 tensor over the whole mapping (it keeps the mapping alive)
         self.device = device
-        self.pinned = pinned
+        self.pinned = False
 
     @classmethod
     def create(cls, size: int, device: int | None) -> _Segment | str:
@@ -106,108 +112,136 @@ class _Segment:
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on the first write past the limit
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
         except OSError as exc:
-            os.close(fd)
             os.unlink(path)
             return f"{SHM_DIR} has {_free_bytes() / 2**20:.0f} MiB free ({exc.strerror})"
+        finally:
+            os.close(fd)
         import torch
 
-        block = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping; unmapped when the tensor goes
-        pinned = device is not None and _pin(block, device)
-        return cls(path, fd, size, block, device, pinned)
+        segment = cls(path, size, mapping, torch.frombuffer(mapping, dtype=torch.uint8), device)
+        segment.pinned = device is not None and _pin(segment.block, device)
+        return segment
 
-    def release(self, keep: int) -> None:
-        """Drop the worker's hold on a filled segment: unpin, unmap, and cut the file to the ``keep`` bytes used."""
-        if self.block is None:
-            return
+    @property
+    def state(self) -> int:
+        return _state(self.mapping)
+
+    @state.setter
+    def state(self, value: int) -> None:
+        struct.pack_into("q", self.mapping, 0, value)
+
+    def retire(self) -> None:
+        """Give the segment up: its name goes, and its memory once the generator's process drops its mapping."""
+        self.state = _RETIRED
         if self.pinned:
             _unpin(self.block, self.device)
-        self.block = None  # the last reference: the mapping goes with it
-        if keep < self.size:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, keep)  # the unused tail returns to /dev/shm
-        os.close(self.fd)
-
-    def discard(self) -> None:
-        """Remove a segment that was never handed over."""
-        self.release(0)
+        self.block = self.mapping = None  # the last references: the mapping goes with them
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            os.unlink(self.path)  # a spare never handed over still has its name
 
 
 class _Segments:
-    """A worker's supply of segments: one is filled per call; the next is prepared in a thread meanwhile."""
+    """A worker's pool of segments: one per call whose states the generator still holds, and one spare.
+
+    A segment is filled by the worker, handed over, and free again once the generator's process has dropped every
+    tensor of that call (its finalizer writes the state). A free one is reused as it is: mapped and pinned, so a
+    call pays one DMA and no allocation. After each hand-over a thread makes sure one free segment of the call's
+    size is ready (allocated, mapped and pinned while the GPU runs the next batch) and retires other free ones.
+    """
 
     def __init__(self) -> None:
-        self.ready: _Segment | None = None  # prepared for the next call
-        self.worker: threading.Thread | None = None
-        self.handed = ""  # the last segment handed over (its name is removed once the generator mapped it)
+        self.pool: list[_Segment] = []
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
         self.stats: dict[str, Any] = {}
         self._exit_hook = False
 
     def take(self, size: int, device: int | None) -> _Segment | None:
-        """A segment of at least ``size`` bytes: the prepared one where it fits, else a new one; None if no room."""
+        """A free segment of at least ``size`` bytes, marked in use; None where /dev/shm has no room."""
         started = time.perf_counter()
-        if self.worker is not None:
-            self.worker.join()
-            self.worker = None
+        segment = self._claim(size, device)
+        if segment is None and self.thread is not None:  # the spare may be on its way
+            self.thread.join()
+            segment = self._claim(size, device)
         waited = time.perf_counter() - started
-        if self.handed:  # the generator never mapped it (its process failed between calls): do not leave it behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.handed)
-            self.handed = ""
-        segment, self.ready = self.ready, None
-        if segment is not None and (segment.size < size or segment.device != device):
-            segment.discard()
-            segment = None
-        prepared = segment is not None
+        made = segment is None
         if segment is None:
             _remove_orphans()
-            made = _Segment.create(_round(size, _STEP), device)
-            if isinstance(made, str):
-                _no_room(made, size)
+            new = _Segment.create(_round(size + size // 4, _STEP), device)  # headroom: a longer call still fits
+            if isinstance(new, str):
+                _no_room(new, size)
                 return None
-            segment = made
+            new.state = _IN_USE
+            with self.lock:
+                self.pool.append(new)
+            segment = new
         if not self._exit_hook:
             atexit.register(self.close)
             self._exit_hook = True
-        self.stats = {"prepared": prepared, "waited_seconds": waited, "segment_bytes": segment.size}
+        self.stats = {
+            "reused": not made,
+            "waited_seconds": waited,
+            "make_seconds": time.perf_counter() - started - waited if made else 0.0,
+            "segment_bytes": segment.size,
+            "pool_segments": len(self.pool),
+        }
         return segment
 
-    def hand_over(self, segment: _Segment, used: int) -> int:
-        """The segment is filled with ``used`` bytes: release it and prepare the next one in a thread.
+    def _claim(self, size: int, device: int | None) -> _Segment | None:
+        with self.lock:
+            free = [s for s in self.pool if s.device == device and s.size >= size and s.state == _FREE]
+            if not free:
+                return None
+            segment = min(free, key=lambda s: s.size)
+            segment.state = _IN_USE
+            return segment
 
-        Returns the length the generator's process maps (``used``, whole pages).
-        """
-        keep = _round(used, _PAGE)
-        self.handed = segment.path
-        next_size = _round(used + used // 4, _STEP)  # 25 % headroom: a somewhat longer next call still fits
+    def keep_a_spare(self, size: int, device: int | None) -> None:
+        """In a thread: one free segment of at least ``size`` bytes ready for the next call; other free ones go."""
+        if self.thread is not None and self.thread.is_alive():
+            return
 
-        def prepare() -> None:
+        def tidy() -> None:
             try:
-                if segment.device is not None:
+                if device is not None:
                     import torch
 
-                    torch.cuda.set_device(segment.device)  # this thread's CUDA calls go to the worker's device
-                segment.release(keep)
-                made = _Segment.create(next_size, segment.device)
-                self.ready = made if isinstance(made, _Segment) else None  # no room now: the next call tries again
+                    torch.cuda.set_device(device)  # this thread's CUDA calls go to the worker's device
+                with self.lock:
+                    free = [s for s in self.pool if s.state == _FREE]
+                    fitting = [s for s in free if s.device == device and s.size >= size]
+                    spare = min(fitting, key=lambda s: s.size) if fitting else None
+                    extra = [s for s in free if s is not spare]
+                    self.pool = [s for s in self.pool if s not in extra]
+                for s in extra:
+                    s.retire()
+                if spare is None:
+                    new = _Segment.create(_round(size + size // 4, _STEP), device)
+                    if isinstance(new, _Segment):
+                        with self.lock:
+                            self.pool.append(new)
             except Exception:  # the next call makes its segment itself (and says so if that fails too)
-                logger.debug("states-through-shared-memory: preparing the next segment failed", exc_info=True)
+                logger.debug("states-through-shared-memory: preparing a spare segment failed", exc_info=True)
 
-        self.worker = threading.Thread(target=prepare, name="vllm_compat_states", daemon=True)
-        self.worker.start()
-        return keep
+        self.thread = threading.Thread(target=tidy, name="vllm_compat_states", daemon=True)
+        self.thread.start()
 
     def close(self) -> None:
-        """At exit: remove the prepared segment (a handed-over one is the generator's)."""
-        if self.worker is not None:
-            self.worker.join(timeout=10)
-        if self.ready is not None:
-            self.ready.discard()
-            self.ready = None
+        """At exit: retire the free segments (those in use are the generator's until it drops them)."""
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        with self.lock:
+            free = [s for s in self.pool if s.state == _FREE]
+            self.pool = [s for s in self.pool if s not in free]
+        for s in free:
+            s.retire()
 
 
 _SEGMENTS = _Segments()  # one per worker process (only the rank that captures states uses it)
+
+
+def _state(mapping: Any) -> int:
+    return struct.unpack_from("q", mapping, 0)[0]
 
 
 def _round(n: int, step: int) -> int:
@@ -240,7 +274,7 @@ class SharedStates:
             return obj
 
         layout = describe(states)
-        slots, size = [], 0
+        slots, size = [], _HEADER
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             slots.append(_Slot(size, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
@@ -303,7 +337,7 @@ def collect_per_request(ext: Any, segments: _Segments | None = None) -> SharedSt
     dtype = str(first.dtype).removeprefix("torch.")
     spec: dict[str, list[_Slot]] = {}
     copies: list[tuple[Any, _Slot, list[tuple[int, int, int]]]] = []
-    size = 0
+    size = _HEADER
     for req_id, parts in pieces.items():
         n = sum(end - start for start, end in parts)
         spec[req_id] = []
@@ -337,7 +371,7 @@ def _copy_in(segments: _Segments, size: int, spec: Any, copies: list[tuple[Any, 
     sources = [t for src, _, ranges in copies for t in (src if ranges else [src])]  # ranges: src is a step list
     devices = {t.device for t in sources if t.is_cuda}
     device = next(iter(devices)).index if devices else None
-    segment = segments.take(max(size, _ALIGN), device)
+    segment = segments.take(size, device)
     if segment is None:
         return None
     async_ok = segment.pinned
@@ -355,12 +389,11 @@ def _copy_in(segments: _Segments, size: int, spec: Any, copies: list[tuple[Any, 
             at += n
     for d in devices:
         torch.cuda.current_stream(d).synchronize()
-    path = segment.path
-    keep = segments.hand_over(segment, size)
+    segments.keep_a_spare(size, device)
     segments.stats.update(
         {"bytes": size, "tensors": count, "seconds": time.perf_counter() - started, "pinned": async_ok}
     )
-    return SharedStates(path, keep, spec)
+    return SharedStates(segment.path, segment.size, spec)
 
 
 def _view(block: Any, slot: _Slot) -> Any:
@@ -369,22 +402,32 @@ def _view(block: Any, slot: _Slot) -> Any:
     return block.narrow(0, slot.offset, slot.nbytes).view(getattr(torch, slot.dtype)).view(slot.shape)
 
 
-def _unpack(path: str, size: int, spec: Any) -> Any:
-    """In the generator's process: map the call's segment, remove its name, and return its tensors.
+_MAPPED: dict[str, Any] = {}  # in the generator's process: segment path -> its mapping, while the worker keeps it
 
-    The memory is this call's alone (the worker let go of it), so the tensors are ``HandedOverStates``:
-    speculators' ``.clone()`` of them is the plain tensor over the same memory, not a second copy.
+
+def _unpack(path: str, size: int, spec: Any) -> Any:
+    """In the generator's process: the call's tensors, over the segment (mapped on first sight, then reused).
+
+    The tensors hold a lease on the segment: when the last of them is dropped, the segment is marked free and the
+    worker reuses it. Until then it is this call's alone, so the tensors are ``HandedOverStates``: speculators'
+    ``.clone()`` of them is the plain tensor over the same memory, not a second copy.
     """
     import torch
 
-    fd = os.open(path, os.O_RDWR)
-    try:
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-    finally:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # the mapping keeps the memory; no name is left behind
-    block = torch.frombuffer(mapping, dtype=torch.uint8)  # the tensors keep the mapping; it goes with the last one
+    _forget_retired()
+    mapping = _MAPPED.get(path)
+    if mapping is None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # both processes keep their mappings; no name is left behind
+        _MAPPED[path] = mapping
+    lease = memoryview(mapping)
+    weakref.finalize(lease, _let_go, mapping).atexit = False
+    block = torch.frombuffer(lease, dtype=torch.uint8)  # every tensor of the call holds the lease
     handed = handed_over_type()
 
     def build(obj: Any) -> Any:
@@ -397,6 +440,19 @@ def _unpack(path: str, size: int, spec: Any) -> Any:
         return obj
 
     return build(spec)
+
+
+def _let_go(mapping: Any) -> None:
+    """The last tensor of a call is gone: its segment is free for the worker's next call."""
+    if _state(mapping) == _IN_USE:
+        struct.pack_into("q", mapping, 0, _FREE)
+
+
+def _forget_retired() -> None:
+    """Drop this process's mappings of segments their worker gave up (or of workers that are gone)."""
+    for path, mapping in list(_MAPPED.items()):
+        if _state(mapping) == _RETIRED or not _alive(_owner(path)):
+            del _MAPPED[path]  # unmapped once no tensor uses it
 
 
 _HANDED: list[type] = []

@@ -104,46 +104,47 @@ def test_values_and_structure_survive(worker: Worker, as_dict: bool) -> None:
     assert same(reply, expected(1, 100, as_dict))
 
 
-def mapped(pid: int | str, path: str) -> bool:
-    """Whether a process still maps the segment (its name may be gone: maps then say "(deleted)")."""
-    return path in Path(f"/proc/{pid}/maps").read_text()
+def state(path: str) -> int:
+    """A segment's state as this process sees it (free, in use, retired)."""
+    return transfer._state(transfer._MAPPED[path])
 
 
 @needs_shm
-def test_each_call_has_its_own_segment_prepared_ahead_and_leaves_no_name(tmp_path: Path) -> None:
+def test_segments_are_reused_once_let_go_and_leave_no_name(tmp_path: Path) -> None:
+    import gc
+
     before = ours()
     w = Worker(tmp_path)
     try:
         first = w.pack(1, 100)
         assert first["path"] not in ours(), "the generator's process removes a segment's name once it mapped it"
-        assert not first["stats"]["prepared"], "nothing to prepare before the first call"
-        second = w.pack(2, 50)  # smaller: the segment prepared while the caller worked
-        assert second["path"] != first["path"] and second["stats"]["prepared"]
-        assert same(second["handle"], expected(2, 50, False))
-        assert same(first["handle"], expected(1, 100, False)), "a later call never overwrites an earlier one's states"
-        assert not mapped(w.proc.pid, first["path"]), "the worker lets go of a segment once it is handed over"
-        rows = 4 * transfer._STEP // (8 * 2 * 3)  # more than the prepared segment holds: made on the spot
-        third = w.pack(3, rows)
-        assert not third["stats"]["prepared"] and third["stats"]["segment_bytes"] >= rows * 8 * 2 * 3
-        assert same(third["handle"], expected(3, rows, False))
+        assert not first["stats"]["reused"], "nothing to reuse on the first call"
+        held = w.pack(2, 50)  # the first call's states are still held: another segment (the spare)
+        assert held["path"] != first["path"] and held["stats"]["reused"]
+        assert same(first["handle"], expected(1, 100, False)), "a held call's states are never overwritten"
+        assert state(first["path"]) == transfer._IN_USE
+        paths = {first["path"], held["path"]}
+        first_path = first["path"]
+        del first
+        gc.collect()
+        assert state(first_path) == transfer._FREE, "free again once its last tensor is gone"
+        for seed in range(3, 9):  # a loop that drops each call's states before the next, as a data pipeline does
+            reply = w.pack(seed, 80)
+            assert reply["stats"]["reused"] and same(reply["handle"], expected(seed, 80, False))
+            paths.add(reply["path"])
+            del reply
+            gc.collect()
+        assert len(paths) <= 4 and w.pack(9, 10)["stats"]["pool_segments"] <= 4, "the pool does not grow"
+        rows = 4 * transfer._STEP // (8 * 2 * 3)  # more than any segment holds: made on the spot
+        big = w.pack(10, rows)
+        assert not big["stats"]["reused"] and big["stats"]["segment_bytes"] >= rows * 8 * 2 * 3
+        assert same(big["handle"], expected(10, rows, False))
+        assert same(held["handle"], expected(2, 50, False))
     finally:
         w.close()
-    assert ours() <= before, "the segment prepared for a next call is removed when the worker exits"
-
-
-@needs_shm
-def test_memory_goes_with_the_last_tensor(worker: Worker) -> None:
-    import gc
-
-    reply = worker.pack(1, 100)
-    kept, path = reply["handle"][1], reply["path"]
-    del reply
-    gc.collect()
-    assert mapped("self", path), "a tensor still held keeps its call's memory"
-    assert same(kept, expected(1, 100, False)[1])
-    del kept
-    gc.collect()
-    assert not mapped("self", path), "with the last tensor of the call its memory is unmapped (and freed)"
+    assert ours() <= before, "the spare segment is removed when the worker exits"
+    transfer._forget_retired()
+    assert not [p for p in transfer._MAPPED if transfer._owner(p) == w.proc.pid], "mappings of a gone worker drop"
 
 
 @needs_shm
