@@ -263,34 +263,19 @@ class SharedStates:
 
         tensors: list[Any] = []
 
-        def describe(obj: Any) -> Any:
-            if isinstance(obj, torch.Tensor):
-                tensors.append(obj)
-                return _Index(len(tensors) - 1)
-            if isinstance(obj, dict):
-                return {k: describe(v) for k, v in obj.items()}
-            if isinstance(obj, list | tuple):
-                return type(obj)(describe(v) for v in obj)
-            return obj
+        def index(t: Any) -> _Index:
+            tensors.append(t)
+            return _Index(len(tensors) - 1)
 
-        layout = describe(states)
+        layout = _replace(states, torch.Tensor, index)
         slots, size = [], _HEADER
         for t in tensors:
             nbytes = t.numel() * t.element_size()
             slots.append(_Slot(size, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
             size += _round(nbytes, _ALIGN)
-
-        def fill(obj: Any) -> Any:
-            if isinstance(obj, _Index):
-                return slots[obj.i]
-            if isinstance(obj, dict):
-                return {k: fill(v) for k, v in obj.items()}
-            if isinstance(obj, list | tuple):
-                return type(obj)(fill(v) for v in obj)
-            return obj
-
+        spec = _replace(layout, _Index, lambda i: slots[i.i])
         copies = [(t, slot, []) for t, slot in zip(tensors, slots, strict=True)]  # whole tensors: one copy each
-        handle = _copy_in(segments or _SEGMENTS, size, fill(layout), copies, len(tensors))
+        handle = _copy_in(segments or _SEGMENTS, size, spec, copies, len(tensors))
         return states if handle is None else handle
 
     def __reduce__(self) -> tuple[Any, tuple[str, int, Any]]:
@@ -429,17 +414,23 @@ def _unpack(path: str, size: int, spec: Any) -> Any:
     weakref.finalize(lease, _let_go, mapping).atexit = False
     block = torch.frombuffer(lease, dtype=torch.uint8)  # every tensor of the call holds the lease
     handed = handed_over_type()
+    return _replace(spec, _Slot, lambda slot: _view(block, slot).as_subclass(handed))
 
-    def build(obj: Any) -> Any:
-        if isinstance(obj, _Slot):
-            return _view(block, obj).as_subclass(handed)
-        if isinstance(obj, dict):
-            return {k: build(v) for k, v in obj.items()}
-        if isinstance(obj, list | tuple):
-            return type(obj)(build(v) for v in obj)
-        return obj
 
-    return build(spec)
+def _replace(obj: Any, kind: type, replace: Any) -> Any:
+    """``obj`` with every ``kind`` inside it (through dicts, lists and tuples) replaced by ``replace(it)``.
+
+    A module-level function, not a recursive closure: a closure that calls itself is a reference cycle, and one
+    holding the call's tensors would keep them (and their segment, or their GPU memory) until the garbage collector
+    runs instead of until they are dropped.
+    """
+    if isinstance(obj, kind):
+        return replace(obj)
+    if isinstance(obj, dict):
+        return {k: _replace(v, kind, replace) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_replace(v, kind, replace) for v in obj)
+    return obj
 
 
 def _let_go(mapping: Any) -> None:

@@ -70,6 +70,8 @@ def main() -> int:
             "init_seconds": t_init - t_import,
             "call_seconds": call_seconds,
             "vllm_dtype": vllm_dtype,
+            "prefix_caching": bool(generator.vllm_config.cache_config.enable_prefix_caching),
+            "block_hasher": getattr(generator, "block_hasher", None) is not None,
             "status": status,
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,

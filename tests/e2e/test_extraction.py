@@ -34,6 +34,7 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
     _record("applied", sorted(run.data["status"]["applied"]))
     _record("worker_applied", sorted(run.data["workers"][0]["applied"]))
     assert diff < TOLERANCE
+    assert not run.data["prefix_caching"] and not run.data["block_hasher"], "no block hashes for a cache that is off"
     # the plugin route: every worker is another process in which the entry point installed vllm-compat
     assert run.data["workers"], "no worker answered"
     for worker in run.data["workers"]:
