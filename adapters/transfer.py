@@ -167,13 +167,19 @@ class _Segments:
         made = segment is None
         if segment is None:
             _remove_orphans()
-            new = _Segment.create(_round(size + size // 4, _STEP), device)  # headroom: a longer call still fits
+            made_size = _round(size + size // 4, _STEP)  # headroom: a somewhat longer call still fits
+            new = _Segment.create(made_size, device)
             if isinstance(new, str):
                 _no_room(new, size)
                 return None
             new.state = _IN_USE
+            # On the first call the spare is made now as well: made by the thread, it would not be ready for the
+            # second call, which would wait for it.
+            spare = _Segment.create(made_size, device) if not self.pool else None
             with self.lock:
                 self.pool.append(new)
+                if isinstance(spare, _Segment):
+                    self.pool.append(spare)
             segment = new
         if not self._exit_hook:
             atexit.register(self.close)

@@ -120,6 +120,7 @@ def test_segments_are_reused_once_let_go_and_leave_no_name(tmp_path: Path) -> No
         first = w.pack(1, 100)
         assert first["path"] not in ours(), "the generator's process removes a segment's name once it mapped it"
         assert not first["stats"]["reused"], "nothing to reuse on the first call"
+        assert first["stats"]["pool_segments"] == 2, "the first call makes the spare for the second as well"
         held = w.pack(2, 50)  # the first call's states are still held: another segment (the spare)
         assert held["path"] != first["path"] and held["stats"]["reused"]
         assert same(first["handle"], expected(1, 100, False)), "a held call's states are never overwritten"
