@@ -259,7 +259,7 @@ class SharedStates:
 
     def __init__(self, path: str, size: int, spec: Any) -> None:
         self.path = path
-        self.size = size  # the bytes to map (whole pages)
+        self.size = size  # the segment's size, what the generator's process maps
         self.spec = spec  # the original structure with every tensor replaced by a _Slot
 
     @classmethod
@@ -366,20 +366,24 @@ def _copy_in(segments: _Segments, size: int, spec: Any, copies: list[tuple[Any, 
     if segment is None:
         return None
     async_ok = segment.pinned
-    for src, slot, ranges in copies:
-        if not slot.nbytes:
-            continue
-        dst = _view(segment.block, slot)
-        if not ranges:
-            dst.copy_(src.detach(), non_blocking=async_ok and src.is_cuda)
-            continue
-        at = 0
-        for step, row, n in ranges:
-            piece = src[step][row : row + n]
-            dst[at : at + n].copy_(piece.detach(), non_blocking=async_ok and piece.is_cuda)
-            at += n
-    for d in devices:
-        torch.cuda.current_stream(d).synchronize()
+    try:
+        for src, slot, ranges in copies:
+            if not slot.nbytes:
+                continue
+            dst = _view(segment.block, slot)
+            if not ranges:
+                dst.copy_(src.detach(), non_blocking=async_ok and src.is_cuda)
+                continue
+            at = 0
+            for step, row, n in ranges:
+                piece = src[step][row : row + n]
+                dst[at : at + n].copy_(piece.detach(), non_blocking=async_ok and piece.is_cuda)
+                at += n
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+    except BaseException:
+        segment.state = _FREE  # never handed over: back to the pool
+        raise
     segments.keep_a_spare(size, device)
     segments.stats.update(
         {"bytes": size, "tensors": count, "seconds": time.perf_counter() - started, "pinned": async_ok}

@@ -168,6 +168,20 @@ def test_speculators_copy_is_a_hand_over(worker: Worker) -> None:
 
 
 @needs_shm
+def test_a_failed_copy_gives_its_segment_back() -> None:
+    segments = transfer._Segments()
+    try:
+        slot = transfer._Slot(transfer._HEADER, 4 * 8 * 2, "bfloat16", (4, 8))
+        wrong = torch.zeros(5, 8, dtype=torch.bfloat16)  # not the slot's shape: the copy raises
+        with pytest.raises(RuntimeError):
+            transfer._copy_in(segments, transfer._HEADER + 64, [slot], [(wrong, slot, [])], 1)
+        assert segments.pool and all(s.state == transfer._FREE for s in segments.pool), "reusable, not leaked"
+    finally:
+        segments.close()
+    assert not segments.pool
+
+
+@needs_shm
 def test_orphaned_segment_of_a_dead_worker_is_removed(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = Path(transfer.SHM_DIR) / f"{transfer.PREFIX}{int(dead.stdout)}_deadbeef"
