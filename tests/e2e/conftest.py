@@ -95,6 +95,20 @@ class Extraction:
     data: dict[str, Any] | None
 
 
+def child_env(extra: dict[str, str] | None = None, kv_cache_gib: int = 1) -> dict[str, str]:
+    """The environment of an extraction subprocess: offline, spawned workers, vllm-compat not disabled."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **(extra or {}),
+    }
+    env.pop("VLLM_COMPAT_DISABLE", None)
+    return env
+
+
 def run_extract(
     model: Path,
     calls: list[list[list[int]]],
@@ -125,15 +139,7 @@ def run_extract(
     cmd += extra_args or []
     if not compat:
         cmd.append("--no-compat")
-    full_env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        **(env or {}),
-    }
-    full_env.pop("VLLM_COMPAT_DISABLE", None)
+    full_env = child_env(env)
     if not compat:
         full_env["VLLM_COMPAT_DISABLE"] = "1"
     done = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900, check=False)

@@ -26,6 +26,7 @@ it (on the CPU build such a shift is 25x the bound).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.e2e.conftest import child_env as e2e_child_env
 
 HERE = Path(__file__).parent
 LAYERS = (0, 2, 3)  # first, a middle one, and the last of 4
@@ -59,18 +62,8 @@ def record(name: str, value: object) -> None:
         path.write_text(json.dumps(data, indent=2))
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of an extraction subprocess: offline, spawned workers, vllm-compat not disabled."""
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        **(extra or {}),
-    }
-    env.pop("VLLM_COMPAT_DISABLE", None)
-    return env
+# The e2e suite's subprocess environment, with a larger CPU KV cache for these larger models (CPU mode).
+child_env = functools.partial(e2e_child_env, kv_cache_gib=2)
 
 
 def speculators_version() -> str:
