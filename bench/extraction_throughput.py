@@ -6,9 +6,9 @@ spawns its workers and re-imports the main module; a process that initialised CU
 - ``extract``: speculators' unchanged ``VllmHiddenStatesGenerator`` with ``import vllm_compat`` first, one
   ``generate()`` per call of ``--seqs-per-call`` prompts; states for ``--layers`` (speculators' default choice if
   omitted) come back as CPU tensors. Measured apart per call: the engine steps and the scheduler (timed from the
-  parent), the one ``_get_captured_states`` RPC that hands the states over (and the worker's copy into a
-  shared-memory segment, with its bandwidth, and whether that segment was reused or made), and what follows it
-  (speculators' ``.clone().cpu()`` of every state, a hand-over under vllm-compat); after the timed calls, what
+  parent), the one ``_get_captured_states`` RPC that hands the states over (and the worker's copy into a fresh
+  shared-memory file, with its bandwidth, and whether that file was ready or made on the spot), and what follows
+  it (speculators' ``.clone().cpu()`` of every state, a private mapping under vllm-compat); after the timed calls, what
   that copy costs where it really copies (the time the hand-over saves).
 - ``prefill``: ``LLM.generate`` with ``max_tokens=1`` on the engine settings the generator ended up with (dtype,
   block size, max_num_seqs, max_num_batched_tokens, prefix caching off, async scheduling as the generator had it,
@@ -141,7 +141,7 @@ def _transfer_stats(worker=None) -> dict:
         from vllm_compat.adapters import transfer
     except ImportError:
         return {}
-    return dict(transfer._SEGMENTS.stats)
+    return dict(transfer.WRITER.stats)
 
 
 def _time_phases(generator, seconds: dict) -> dict:
@@ -264,10 +264,10 @@ def side_extract(args: argparse.Namespace, out: Path) -> dict:
             "extract",
             f"call {i}: {sum(map(len, call))} tokens in {elapsed:.3f}s "
             f"(collecting states {got:.3f}s, of it the worker's "
-            f"copy into its segment {pack.get('seconds', float('nan')):.3f}s for "
-            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned={pack.get('pinned')}, "
-            f"segment reused={pack.get('reused')} (waited {pack.get('waited_seconds', float('nan')):.3f}s, "
-            f"made in {pack.get('make_seconds', float('nan')):.3f}s, pool {pack.get('pool_segments')}); "
+            f"copy into its file {pack.get('seconds', float('nan')):.3f}s for "
+            f"{pack.get('bytes', 0) / 2**20:.0f} MiB, pinned staging={pack.get('pinned')}, "
+            f"file made on the spot={pack.get('made_now')} (waited {pack.get('waited_seconds', float('nan')):.3f}s "
+            f"for the spare); "
             f"after it {tail:.3f}s; steps {phases})",
         )
         phases.clear()
@@ -521,7 +521,7 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
                 statistics.median(p["bytes"] for p in packs) / 1e9 / numbers["worker_pack_seconds_median"]
             )
             numbers["worker_pack_pinned"] = all(p.get("pinned") for p in packs)
-            numbers["worker_reused_fraction"] = sum(bool(p.get("reused")) for p in packs) / len(packs)
+            numbers["worker_spare_ready_fraction"] = sum(not p.get("made_now") for p in packs) / len(packs)
             numbers["worker_wait_seconds_median"] = statistics.median(p.get("waited_seconds", 0.0) for p in packs)
         numbers["extract_parent_peak_bytes"] = e["parent_memory"].get(
             "cuda_peak_allocated_bytes", e["parent_memory"].get("rss_peak_bytes")
@@ -583,7 +583,7 @@ def summarize(args: argparse.Namespace, shape: dict, results: dict) -> tuple[dic
         "copy_states_seconds",
         "worker_pack_seconds_median",
         "worker_pack_gbytes_per_s",
-        "worker_reused_fraction",
+        "worker_spare_ready_fraction",
         "worker_wait_seconds_median",
     ):
         if key in numbers:
