@@ -8,12 +8,14 @@ The messages the user sees are asserted exactly.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e import procs
+from vllm_compat.transport import PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -69,10 +71,17 @@ ERRORS = {
 }
 
 
+def states_files() -> set[str]:
+    """The shared-memory files of the states hand-over on this host (vllm_compat.transport)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)} if os.path.isdir(SHM_DIR) else set()
+
+
 @pytest.fixture(scope="module")
 def run(tiny_model, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bad-input") / "inputs.json"
+    before = states_files()
     record = procs.run_robustness("inputs", tiny_model, out, ["--max-model-len", str(MAX_MODEL_LEN)])
+    record["states_files_left"] = sorted(states_files() - before)
     assert record["cases"]["start"]["outcome"] == "ok", record["cases"]["start"]
     return record
 
@@ -141,3 +150,8 @@ def test_no_process_is_left_behind(run) -> None:
     assert run["workers_at_exit"] == []
     assert run["left"] == [], "processes of the test's session outlived it"
     assert run["exit"] == 0
+
+
+def test_no_states_file_is_left_behind(run) -> None:
+    """The killed worker's spare file is removed by the generator's process (its owner is provably dead)."""
+    assert run["states_files_left"] == []
