@@ -58,7 +58,7 @@ def pack(states: Any, writer: transport.StatesWriter | None = None) -> Any:
 
 
 def collect_per_request(ext: Any, writer: transport.StatesWriter | None = None) -> transport.StatesHandle | None:
-    """speculators 0.4.0.1's ``_get_captured_states``, written straight into a states file; None where it does not apply.
+    """speculators 0.4.0.1's ``_get_captured_states``, written straight into a states file; None where not applicable.
 
     Same grouping as speculators': the captured rows of every step, concatenated per layer, are sliced by a running
     index over the steps' ``(request id, prefill tokens)`` metadata, and each request's slices are joined, layer by
