@@ -23,9 +23,9 @@ LAYERS = (0, 2, 3)  # first, a middle one, and the last of 4
 TOLERANCE = 1e-4  # float32 on both sides
 # vLLM's CPU platform runs dtype="auto" (speculators' choice) in bfloat16; transformers is the float32 reference. bf16
 # keeps 8 significant bits (relative step 2**-8 = 0.0039): each of the 4 layers rounds its inputs, weights and outputs,
-# and the residual stream carries the sum. Measured on the tiny Llama (vLLM 0.30.0): max |diff| 0.03 relative to the
-# largest |state| of the sequence; the bound below leaves room for other kernels while still catching a state from the
-# wrong sequence, position or layer (those differ by the size of the state itself, a relative 0.5 to 2).
+# and the residual stream carries the sum. The comparison is relative: per sample and layer, max |diff| over the
+# largest |state|. Measured on the tiny chat Llama (vLLM 0.30.0, speculators 0.4.0.1, 36 samples): 0.018 at worst;
+# a state of the neighbouring position, of another sequence or of the previous layer differs by 0.50 at least.
 BF16_RELATIVE_TOLERANCE = 0.1
 
 
