@@ -25,16 +25,16 @@ class BatchesInWaves(Adapter):
     raises ``RuntimeError: Request req_N_32 not found in captured states``. speculators' data-generation script has
     ``--batch-size`` (default 8); any value above 32 fails this way. 0.3.0 aborts each request after its step, which
     frees its slot, so it serves any size unchanged.
-    Where fixed: the generator's own ``generate`` (an attribute of each generator object, so it wraps every other
-    adapter around ``generate`` and they all see one wave at a time). A call of at most ``max_num_seqs`` sequences
-    (the scheduler's limit, read from the generator's VllmConfig) is passed through untouched: same work, same cost. A
-    larger call is checked as a whole first (so an error names the sequence's place in the call), then split in order
-    into waves of at most ``max_num_seqs`` sequences, each a ``generate()`` call of its own, and the results are
-    concatenated: every sequence's states, in input order. Waves rather than a longer loop because the loop is
-    speculators' code (it would have to finish requests mid-call, which its bookkeeping does not allow), and because
-    the scheduler could not run more than ``max_num_seqs`` sequences at once anyway: the waves cost what one call of
-    that many sequences would have cost if speculators' loop let the scheduler take the rest. Each wave is its own call
-    to the workers, so the states of a wave are handed over (``states-through-shared-memory``) before the next starts.
+    Where fixed: ``generate`` of each generator object, set on the object when it is built, so it sits outside every
+    adapter on the class's ``generate`` (those see one wave at a time, whatever order the adapters were applied in). A
+    call of at most ``max_num_seqs`` sequences (the scheduler's limit, read from the generator's VllmConfig) is passed
+    through untouched: same work, same cost. A larger call is checked as a whole first (so an error names the
+    sequence's place in the call), then split in order into waves of at most ``max_num_seqs`` sequences, each a
+    ``generate()`` call of its own, and the results are concatenated: every sequence's states, in input order. Waves
+    rather than a longer loop: the loop is speculators' code, which would have to finish requests mid-call (its
+    bookkeeping does not allow it), and the scheduler never runs more than ``max_num_seqs`` sequences at once anyway,
+    so a wave adds only a call's fixed cost (a few calls to the workers). Each wave's states are handed over
+    (``states-through-shared-memory``) before the next wave starts.
     """
 
     id = "batches-in-waves"
