@@ -12,7 +12,7 @@ from vllm_compat.adapters.inputs import check_token_ids, vocab_size
 from vllm_compat.adapter import Adapter
 
 logger = logging.getLogger("vllm_compat")
-_told: list[int] = []  # the first split call is logged at INFO, the others at DEBUG
+_told: set[str] = set()  # the first split call of a process is logged at INFO, the others at DEBUG
 
 
 class BatchesInWaves(Adapter):
@@ -61,8 +61,8 @@ class BatchesInWaves(Adapter):
                 return wrapped(token_ids, *rest, **kwargs)
             check_token_ids(token_ids, vocab_size(generator))  # the whole call, before any wave runs
             waves = [(start, min(start + limit, size)) for start in range(0, size, limit)]
-            log = logger.info if not _told else logger.debug
-            _told.append(size)
+            log = logger.debug if _told else logger.info
+            _told.add("split")
             log("vllm-compat: generate() of %d sequences runs in %d waves of at most %d", size, len(waves), limit)
             results: list[Any] = []
             for number, (start, end) in enumerate(waves, 1):
