@@ -45,9 +45,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--vllm-compat-speculators",
-        metavar="LINE",
+        metavar="VERSION",
         default=None,
-        help="the speculators line to judge for (0.3.0 or 0.4.0.1; default: the installed one, or both)",
+        help="the speculators release to judge for (any 0.3.x or 0.4.x version, judged as its line; default: the "
+        "line of the speculators code Python imports, or both)",
     )
     parser.addini("vllm_compat_guard", "probe vLLM at session start (the --vllm-compat-guard option)", type="bool")
     parser.addini("vllm_compat_source", "the vLLM to probe (the --vllm-compat-source option)", default="")

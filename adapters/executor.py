@@ -9,7 +9,7 @@ from typing import Any
 from vllm_compat.adapters._kit import GENERATOR_MODULE, after_construct, wrap_instance_method
 
 from vllm_compat.adapter import Adapter
-from vllm_compat.versions import installed_version, speculators_line
+from vllm_compat.lines import judge_line
 
 logger = logging.getLogger("vllm_compat")
 
@@ -87,9 +87,9 @@ class UniqueReplyShape(Adapter):
     first_vllm = "0.11.1"
 
     def apply(self, module: ModuleType) -> None:
-        # The direction follows from which line is installed (this adapter is applied only when vLLM's convention
-        # differs from that line's): the reply itself cannot tell, since speculators' own replies are lists too.
-        wants_list = speculators_line(installed_version("speculators")) == "0.3.0"
+        # The direction follows from the line of the code that runs (this adapter is applied only when vLLM's
+        # convention differs from that line's): the reply itself cannot tell, since speculators' own replies are lists.
+        wants_list = judge_line().line == "0.3.0"
 
         def collective_rpc(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             reply = wrapped(*args, **kwargs)

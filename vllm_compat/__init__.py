@@ -12,11 +12,12 @@ import os
 
 from vllm_compat import engine as _engine_module
 from vllm_compat._version import __version__
-from vllm_compat.errors import AdapterError, SourceError, UnhandledDrift, VllmCompatError
+from vllm_compat.errors import AdapterError, SourceError, SpeculatorsLineUnknown, UnhandledDrift, VllmCompatError
 
 __all__ = [
     "AdapterError",
     "SourceError",
+    "SpeculatorsLineUnknown",
     "UnhandledDrift",
     "VllmCompatError",
     "__version__",

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_compat.errors import SourceError
-from vllm_compat.versions import SPECULATORS_LINES, installed_version, speculators_line
+from vllm_compat.lines import judge_line
+from vllm_compat.versions import SPECULATORS_LINES, speculators_line
 
 __all__ = ["main"]
 
@@ -46,8 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--speculators",
-        choices=sorted(SPECULATORS_LINES),
-        help="the speculators release to judge for (default: the installed one, or both)",
+        metavar="VERSION",
+        type=_speculators_version,
+        help="the speculators release to judge for: any 0.3.x or 0.4.x version, judged as its line (0.3.0 or "
+        "0.4.0.1) (default: the line of the speculators code Python imports, or both)",
     )
     probe.add_argument(
         "--family",
@@ -80,17 +83,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _speculators_version(text: str) -> str:
+    """``--speculators``: a version of a line vllm-compat serves (argparse reports anything else as a usage error)."""
+    try:
+        speculators_choice(text)
+    except SourceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | None, str]:
+    """The speculators lines to judge, the version to report, and how the line was chosen.
+
+    ``speculators`` (``--speculators``) is any 0.3.x or 0.4.x version, judged as its line. Without it, the line of the
+    speculators code Python would import, judged as the generator's guard judges it (vllm_compat/lines.py: from the
+    code, the metadata only where no code is found; nothing is imported); both lines where none can be told.
+    Raises SourceError for a version outside both lines.
+    """
+    if speculators is not None:
+        from packaging.version import InvalidVersion
+
+        try:
+            line = speculators_line(speculators)
+        except InvalidVersion:
+            line = None
+        if line is None:
+            raise SourceError(
+                f"unknown speculators line {speculators!r}: vllm-compat serves speculators 0.3.x and 0.4.x (judged "
+                f"as {' and '.join(SPECULATORS_LINES)}); give one of those versions"
+            )
+        how = "--speculators" if speculators == line else f"--speculators {speculators}, judged as the {line} line"
+        return (line,), speculators, how
+    verdict = judge_line()
+    lines = (verdict.line,) if verdict.line else tuple(SPECULATORS_LINES)
+    return lines, verdict.metadata_version, verdict.describe()
+
+
 def probe_plan(source: str | None, speculators: str | None = None, families=None):
     """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM) judged for ``speculators``
-    (None: the installed speculators' line, or both lines) and the model ``families`` (None: the default, "all",
-    or names). Raises SourceError when there is nothing to probe."""
+    (a 0.3.x/0.4.x version; None: the line of the speculators code Python imports, or both lines) and the model
+    ``families`` (None: the default, "all", or names). Raises SourceError when there is nothing to probe."""
     from vllm_compat.plan import make_plan
     from vllm_compat.sources import open_view
 
-    if speculators is not None and speculators not in SPECULATORS_LINES:
-        raise SourceError(f"unknown speculators line {speculators!r}; choose one of {', '.join(SPECULATORS_LINES)}")
-    installed = speculators_line(installed_version("speculators"))
-    lines: tuple[str, ...] = (speculators,) if speculators else (installed,) if installed else tuple(SPECULATORS_LINES)
+    lines, _version, _how = speculators_choice(speculators)
     try:
         return make_plan(open_view(source), lines, families=families)
     except ValueError as exc:  # an unknown family name
@@ -114,14 +150,16 @@ def _families(args: argparse.Namespace):
 def _probe(args: argparse.Namespace) -> int:
     from vllm_compat.report import render_json, render_table
 
-    installed = installed_version("speculators")
+    _lines, version, how = speculators_choice(args.speculators)
     plan = probe_plan(args.source, args.speculators, _families(args))
+    # the generator's guard refuses code of no known line; the probe's verdict agrees with it
+    line_unknown = args.speculators is None and judge_line().unknown
     if args.json:
-        print(render_json(plan, str(installed) if installed and not args.speculators else None, args.strict))
+        print(render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown))
     else:
         origin = args.source or "installed"
-        print(render_table(plan, origin, args.strict, args.verbose))
-    return EXIT_OK if plan.passes(args.strict) else EXIT_DRIFT
+        print(render_table(plan, origin, args.strict, args.verbose, judged=how, line_unknown=line_unknown))
+    return EXIT_OK if plan.passes(args.strict) and not line_unknown else EXIT_DRIFT
 
 
 def run_environment(environ: dict[str, str] | None = None, strict: bool = False) -> dict[str, str]:

@@ -21,12 +21,13 @@ import wrapt
 
 from vllm_compat import plugin
 from vllm_compat.adapter import Adapter, load_adapters
-from vllm_compat.errors import AdapterError, UnhandledDrift
+from vllm_compat.errors import AdapterError, SpeculatorsLineUnknown, UnhandledDrift
 from vllm_compat.findings import Observation, State
+from vllm_compat.lines import judge_line
 from vllm_compat.models import ENV_FAMILIES, active_families, model_families
 from vllm_compat.patching import Patch, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
-from vllm_compat.versions import installed_version, speculators_line
+from vllm_compat.versions import installed_version
 
 __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
 
@@ -54,6 +55,7 @@ class _Engine:
         self.guard: Patch | None = None
         self.name_guards: dict[str, Patch] = {}
         self._view: Any = None
+        self.summarised = False  # the guard's one summary line per process
 
     # -- public API --------------------------------------------------------------------------
     def install(self, strict: bool = False) -> None:
@@ -97,11 +99,14 @@ class _Engine:
         with self.lock:
             spec = installed_version("speculators")
             vllm = installed_version("vllm")
+            verdict = judge_line()
             return {
                 "installed": self.installed,
                 "strict": self.strict,
                 "vllm_version": str(vllm) if vllm else None,
                 "speculators_version": str(spec) if spec else None,
+                "speculators_line": verdict.line,
+                "speculators_line_judged": verdict.how,  # code | metadata | absent | unknown (lines.LineVerdict)
                 "applied": {k: a.reason for k, a in self.applied.items()},
                 "hooks": sorted(self.hooked),
                 "guarded": self.guard is not None,
@@ -110,8 +115,8 @@ class _Engine:
             }
 
     def live_plan(self, probe_ids: Iterable[str] | None = None) -> Plan:
-        """The plan for the installed vLLM and speculators (both lines if none is installed)."""
-        line = speculators_line(installed_version("speculators"))
+        """The plan for the installed vLLM and the speculators code that runs (both lines if its line is not known)."""
+        line = judge_line().line
         lines = (line,) if line else ("0.3.0", "0.4.0.1")
         return make_plan(self.view(), lines, probe_ids, cache=self.observations)
 
@@ -127,9 +132,13 @@ class _Engine:
         with self.lock:
             if not self.installed:
                 return
-            line = speculators_line(installed_version("speculators"))
+            verdict = judge_line()  # from the code being imported, not only the metadata (lines.py)
+            line = verdict.line
             if module.__name__ == GUARD_MODULE:
                 self._install_guard(module)
+            if verdict.unknown:
+                self._guard_missing_names(module, None)  # no adapter is known to fit: the guard stops the run
+                return
             if line is None:
                 return  # nothing to adapt: speculators absent or a release we do not serve
             for cls in load_adapters().values():
@@ -137,17 +146,21 @@ class _Engine:
                     self._maybe_apply(cls, module, line)
             self._guard_missing_names(module, line)
 
-    def _guard_missing_names(self, module: ModuleType, line: str) -> None:
+    def _guard_missing_names(self, module: ModuleType, line: str | None) -> None:
         """Make ``from module import NAME`` raise UnhandledDrift, not a bare ImportError, for names no adapter restored.
 
         speculators binds vLLM names at import time, so the import statement is the first call a moved or removed
-        name affects. A module ``__getattr__`` (PEP 562) answers for the missing names only.
+        name affects. A module ``__getattr__`` (PEP 562) answers for the missing names only. With ``line`` None (the
+        speculators line is unknown) every missing watched name raises SpeculatorsLineUnknown.
         """
         if module.__name__ in self.name_guards:  # guarded already (hasattr would now raise the guard's error)
             return
         missing = {}
         for probe_id, name in _imported_names().get(module.__name__, ()):
             if not hasattr(module, name):
+                if line is None:
+                    missing[name] = None
+                    continue
                 finding = self._finding(probe_id, line)
                 if finding is not None and not finding.handled:
                     missing[name] = finding
@@ -157,7 +170,10 @@ class _Engine:
 
         def __getattr__(attr: str) -> Any:
             if attr in missing:
-                raise UnhandledDrift([missing[attr]], where=f"from {module.__name__} import {attr}")
+                where = f"from {module.__name__} import {attr}"
+                if missing[attr] is None:
+                    raise SpeculatorsLineUnknown(judge_line().seen(), where=where)
+                raise UnhandledDrift([missing[attr]], where=where)
             if previous is not None:
                 return previous(attr)
             raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
@@ -226,14 +242,31 @@ class _Engine:
         those of the model being loaded; by default the plan's)."""
         if not self.installed:
             return
-        line = speculators_line(installed_version("speculators"))
+        verdict = judge_line()
+        if verdict.unknown:
+            raise SpeculatorsLineUnknown(verdict.seen(), where=where)
+        line = verdict.line
         if line is None:
             return
         plan = make_plan(self.view(), (line,), None, cache=self.observations, families=families)
+        if not self.summarised:
+            self.summarised = True
+            logger.info("%s", self._summary(verdict, plan))
         if not plan.ok:
             for f in plan.unhandled:
                 logger.error("vllm-compat: unhandled drift %s: %s", f.probe, f.observed)
             raise UnhandledDrift(plan.unhandled, where=where)
+
+    def _summary(self, verdict: Any, plan: Plan) -> str:
+        """The guard's summary: versions, the line and how it was judged, which adapters cover which drift."""
+        covered = [f for f in plan.findings if f.state is State.DRIFTED and f.handled]
+        always = sorted(k for k, a in self.applied.items() if type(a).always)
+        vllm = plan.vllm_version or installed_version("vllm")
+        return (
+            f"vllm-compat: vLLM {vllm or '?'}, speculators {verdict.metadata_version or '?'} "
+            f"({verdict.describe()}); {len(covered)} drift(s) covered by {', '.join(plan.adapters) or 'no adapter'}"
+            f"; {len(plan.unhandled)} unhandled; run-time adapters applied: {', '.join(always) or 'none'}"
+        )
 
 
 def _imported_names() -> dict[str, list[tuple[str, str]]]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm_compat.findings import Finding
 
-__all__ = ["AdapterError", "SourceError", "UnhandledDrift", "VllmCompatError"]
+__all__ = ["AdapterError", "SourceError", "SpeculatorsLineUnknown", "UnhandledDrift", "VllmCompatError"]
 
 
 class VllmCompatError(RuntimeError):
@@ -46,3 +46,25 @@ class UnhandledDrift(VllmCompatError):
             "`vllm-compat probe --strict` accepts, or upgrade vllm-compat. Nothing was loaded."
         )
         return "\n".join(lines)
+
+
+class SpeculatorsLineUnknown(UnhandledDrift):
+    """The speculators code that runs matches neither line vllm-compat serves, so no set of adapters is known to fit.
+
+    A subclass of :class:`UnhandledDrift`: code that stops on unhandled drift stops on this too.
+    """
+
+    def __init__(self, seen: str, where: str | None = None) -> None:
+        self.seen = seen
+        super().__init__((), where=where)
+
+    def _message(self) -> str:
+        head = "vllm-compat cannot tell which speculators line this code is"
+        if self.where:
+            head += f" (stopped before {self.where})"
+        return (
+            f"{head}: {self.seen}. vllm-compat adapts speculators 0.3.x (judged as 0.3.0) and 0.4.x (judged as "
+            "0.4.0.1), recognised by what their generator and worker modules call. What to do: make sure Python "
+            'imports one unmodified speculators 0.3.x or 0.4.x (check PYTHONPATH and `python -c "import '
+            'speculators; print(speculators.__file__)"`), or report this message. Nothing was loaded.'
+        )

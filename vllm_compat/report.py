@@ -11,13 +11,30 @@ from vllm_compat.plan import Plan
 __all__ = ["render_json", "render_table"]
 
 
-def render_json(plan: Plan, speculators_installed: str | None, strict: bool) -> str:
-    return json.dumps(plan.to_json(speculators_installed, strict), indent=2, sort_keys=False)
+def render_json(
+    plan: Plan, speculators_installed: str | None, strict: bool, judged: str | None = None, line_unknown: bool = False
+) -> str:
+    """The JSON report; ``judged`` says how the speculators line was chosen; with ``line_unknown`` (the speculators
+    code matches neither line, so the generator's guard would stop) it is not ok."""
+    data = plan.to_json(speculators_installed, strict)
+    if judged is not None:
+        data["speculators_judged"] = judged
+    data["ok"] = bool(data["ok"]) and not line_unknown
+    return json.dumps(data, indent=2, sort_keys=False)
 
 
-def render_table(plan: Plan, origin: str, strict: bool, verbose: bool = False) -> str:
+def render_table(
+    plan: Plan,
+    origin: str,
+    strict: bool,
+    verbose: bool = False,
+    judged: str | None = None,
+    line_unknown: bool = False,
+) -> str:
     out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({plan.source}: {origin})"]
     out.append(f"model families judged: {', '.join(plan.families)} (--model or --family all for others)")
+    if judged is not None:
+        out.append(f"speculators: {judged}")
     for line in plan.lines:
         findings = [f for f in plan.findings if f.speculators == line]
         out.append("")
@@ -49,6 +66,12 @@ def render_table(plan: Plan, origin: str, strict: bool, verbose: bool = False) -
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
     out.append("")
+    passes = plan.passes(strict) and not line_unknown
+    if line_unknown:
+        out.append(
+            "not covered: the speculators code matches neither line vllm-compat serves (see 'speculators:' above); "
+            "the generator's guard would stop the run"
+        )
     if not plan.passes(strict):
         failing = plan.unhandled if strict else plan.unhandled_drift
         out.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
@@ -59,7 +82,7 @@ def render_table(plan: Plan, origin: str, strict: bool, verbose: bool = False) -
         )
     verdict = (
         f"verdict: {len(drift)} drifted ({len(covered)} covered, {len(plan.unhandled_drift)} unhandled), "
-        f"{len(plan.unknown)} unknown -> {'OK' if plan.passes(strict) else 'FAIL'}"
+        f"{len(plan.unknown)} unknown -> {'OK' if passes else 'FAIL'}"
     )
     out.append(verdict + (" (strict: unknown counts as unhandled)" if strict else ""))
     return "\n".join(out)

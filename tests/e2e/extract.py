@@ -4,6 +4,9 @@ Run by the end-to-end tests in a fresh interpreter (so vLLM's spawned workers se
 would). It builds speculators' own ``VllmHiddenStatesGenerator`` on a local model, runs a list of calls and
 saves what ``generate()`` returned, with timings and what vllm-compat applied, to ``--out`` (torch.save).
 
+``--log-level INFO`` configures logging as speculators' scripts do (``logging.basicConfig``); vllm-compat's messages of
+this process are saved with the results either way.
+
 The only test-harness choice: ``--dtype float32`` keeps vLLM's CPU backend from running a float32 checkpoint in
 bfloat16 (its choice for ``dtype="auto"``), so states can be compared with transformers at 1e-4. It rebinds
 ``ModelConfig`` in speculators' module for this process only, and is off unless asked.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -28,7 +32,11 @@ def main() -> int:
     parser.add_argument("--no-compat", action="store_true", help="do not import vllm_compat")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--log-level", default=None, help="logging.basicConfig level, as speculators' scripts set")
     args = parser.parse_args()
+    if args.log_level:
+        logging.basicConfig(level=args.log_level, format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
+    compat_log = _keep_compat_log()
 
     t0 = time.perf_counter()
     if not args.no_compat:
@@ -75,10 +83,26 @@ def main() -> int:
             "status": status,
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
+            "compat_log": compat_log,
         },
         args.out,
     )
     return 0
+
+
+def _keep_compat_log() -> list[str]:
+    """vllm-compat's log records of this process, INFO and up: ``LEVEL message``."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.getMessage()}")
+
+    compat = logging.getLogger("vllm_compat")
+    compat.addHandler(Keep(level=logging.INFO))
+    if compat.getEffectiveLevel() > logging.INFO:
+        compat.setLevel(logging.INFO)
+    return records
 
 
 def _worker_report(worker) -> dict:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import TOLERANCE, max_diff, run_extract
+from tests.e2e.conftest import TOLERANCE, max_diff, run_extract, transformers_states
 
 pytestmark = pytest.mark.e2e
 REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")  # where the matrix runner collects per-cell numbers
@@ -86,4 +87,57 @@ def test_tensor_parallel_2(tiny_model, calls, reference, tmp_path) -> None:
     assert len({w["pid"] for w in run.data["workers"]}) == 2
     diff = max_diff(run.data["outputs"], calls[:2], reference)
     _record("tp2_max_abs_diff", diff)
+    assert diff < TOLERANCE
+
+
+MAX_NUM_SEQS = 32  # the scheduler limit both speculators lines build their generator with
+
+
+def test_any_batch_size(tiny_model, tmp_path) -> None:
+    """Calls of 1, 32, 33 and 2*32+3 sequences: every sequence's states, in input order, equal to transformers'.
+
+    speculators 0.4.0.1 alone fails from 33 sequences on (its first 32 requests keep every scheduler slot); 0.3.0
+    frees a slot per finished request.
+    """
+    rng = random.Random(4321)
+    sizes = (1, MAX_NUM_SEQS, MAX_NUM_SEQS + 1, 2 * MAX_NUM_SEQS + 3)
+    calls = [[[rng.randrange(4, 512) for _ in range(rng.randrange(2, 40))] for _ in range(n)] for n in sizes]
+    run = run_extract(tiny_model, calls, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert [len(results) for results in run.data["outputs"]] == list(sizes)
+    diff = max_diff(run.data["outputs"], calls, transformers_states(tiny_model, calls))
+    _record("batch_sizes_max_abs_diff", diff)
+    _record("batch_sizes_call_seconds", run.data["call_seconds"])
+    assert diff < TOLERANCE
+
+
+def test_the_line_is_judged_from_the_code(tiny_model, calls, reference, tmp_path) -> None:
+    """The other line's metadata first on PYTHONPATH (as when a source tree of one release shadows another that is
+    installed): the code that runs decides which adapters apply, in the script and in every worker, and says so."""
+    from vllm_compat.lines import judge_line
+
+    code = judge_line()
+    assert code.how == "code", code.describe()
+    other = {"0.3.0": "0.4.0.1", "0.4.0.1": "0.3.0"}[code.line]
+    metadata = tmp_path / "metadata"
+    info = metadata / f"speculators-{other}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: speculators\nVersion: {other}\n")
+    path = os.pathsep.join(p for p in (str(metadata), os.environ.get("PYTHONPATH", "")) if p)
+    run = run_extract(tiny_model, calls[:2], tmp_path, env={"PYTHONPATH": path}, extra_args=["--log-level", "INFO"])
+    assert run.returncode == 0, run.stderr
+    status = run.data["status"]
+    assert status["speculators_version"] == other, "the fake metadata was not the one installed"
+    assert (status["speculators_line"], status["speculators_line_judged"]) == (code.line, "code")
+    for worker in run.data["workers"]:
+        assert worker["pid"] != status["pid"]
+        assert (worker["speculators_line"], worker["speculators_line_judged"]) == (code.line, "code"), worker
+    log = run.data["compat_log"]
+    assert any(m.startswith("WARNING") and "the code wins" in m and f"says speculators {other}" in m for m in log)
+    summary = [m for m in log if m.startswith("INFO vllm-compat: vLLM ")]
+    assert len(summary) == 1, log
+    assert f"speculators {other} (line {code.line}, judged from its code" in summary[0]
+    assert "drift(s) covered by" in summary[0] and "0 unhandled" in summary[0]
+    diff = max_diff(run.data["outputs"], calls[:2], reference)
+    _record("line_from_code_max_abs_diff", diff)
     assert diff < TOLERANCE

@@ -6,6 +6,10 @@ speculators' own preprocessing, extract hidden states with speculators' generato
 ``.pt`` per sample, build the draft vocabulary mapping, then run speculators' EAGLE-3 trainer for one epoch
 (optimizer steps, validation, checkpoint) on that data. The saved hidden states are checked against transformers on
 the same weights; the trainer must change the draft model's weights and write a checkpoint that loads back.
+
+Data generation runs twice: in float32 with one call of more than 32 sequences (states within 1e-4 of transformers'),
+and on the script's own defaults (``dtype="auto"``, i.e. bfloat16 on vLLM's CPU platform, ``--batch-size`` 8,
+``--tensor-parallel-size`` ``torch.accelerator.device_count()``, 0 here), compared with a bfloat16 tolerance.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import TOLERANCE
+from tests.e2e.conftest import BF16_RELATIVE_TOLERANCE, TOLERANCE
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -32,6 +36,8 @@ LAYER_IDS = (0, 1, 2, 3)  # three auxiliary layers for EAGLE-3's fusion, then th
 DRAFT_VOCAB = 64
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
 CONFIG_ADAPTERS = {"speculator-config-init", "speculator-config-schema", "speculator-config-validate"}
+SAMPLES = 36  # one call of them all: more than the 32 sequences speculators' scheduler runs at once
+SCRIPT_BATCH_SIZE = 8  # data_generation_offline.py's default --batch-size
 
 
 def _record(name: str, value: object) -> None:
@@ -63,7 +69,7 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def conversations(path: Path, count: int = 6) -> Path:
+def conversations(path: Path, count: int = SAMPLES) -> Path:
     """A ShareGPT-style JSONL file (the format speculators' preprocessing reads), words of the tiny vocabulary."""
     rng = random.Random(7)
 
@@ -116,7 +122,7 @@ def pipeline(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             "--output-dir", str(data),
             "--layer-ids", *map(str, LAYER_IDS),
             "--seq-length", "256",
-            "--batch-size", "4",
+            "--batch-size", str(SAMPLES),
             "--token-freq-path", str(freq),
             "--dtype", "float32",
         ],
@@ -124,20 +130,23 @@ def pipeline(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]
     runs["generate"] = report
+    runs["generate_log"] = done.stderr
+    vocab = work / "vocab"
     done, report = run_stage(
         "vocab",
         ["--token-freq-path", str(freq), "--draft-vocab-size", str(DRAFT_VOCAB), "--target-vocab-size", "512",
-         "--output-path", str(data / "vocab_mapping.pt")],
+         "--output-path", str(vocab)],
         work,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-6000:]
     runs["vocab"] = report
+    runs["vocab_dir"] = vocab
     runs["train_args"] = [
         "--verifier-name-or-path", str(chat_model),
         "--data-path", str(data),
         "--save-path", str(work / "checkpoints"),
-        "--d2t-path", str(data / "d2t.npy"),
-        "--t2d-path", str(data / "t2d.npy"),
+        "--d2t-path", str(vocab / "d2t.npy"),
+        "--t2d-path", str(vocab / "t2d.npy"),
         "--device", "cpu",
         "--attention", "dense",
     ]  # fmt: skip
@@ -147,28 +156,20 @@ def pipeline(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return runs
 
 
-def test_samples_are_saved_as_speculators_saves_them(pipeline: dict[str, Any]) -> None:
+def compare_samples(data: Path, model_path: Path) -> tuple[float, float]:
+    """Every saved sample against transformers (float32) on the same weights: the largest absolute difference, and
+    the largest relative one (per sample and layer: max |diff| / max |state|). Checks the sample's layout on the way."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    generated = pipeline["generate"]
-    assert generated["status"]["installed"], "vllm-compat was not active in the script"
-    assert generated["workers"] and all(w["installed"] for w in generated["workers"]), generated["workers"]
-    assert all(w["pid"] != generated["pid"] for w in generated["workers"])
-    assert generated["vllm_dtype"] == "torch.float32"
-    assert generated["layer_ids"] == list(LAYER_IDS)
-
-    files = sorted(pipeline["data"].glob("data_*.pt"))
-    assert len(files) == generated["samples"] == 6
-    assert (pipeline["data"] / "data_config.json").exists()
-    model = AutoModelForCausalLM.from_pretrained(pipeline["model"], torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
     captured: dict[int, torch.Tensor] = {}
     for layer in LAYER_IDS:  # each decoder layer's output: the residual stream (the last one before the final norm)
         model.model.layers[layer].register_forward_hook(
             lambda _m, _i, out, layer=layer: captured.__setitem__(layer, out[0] if isinstance(out, tuple) else out)
         )
-    worst = 0.0
-    for path in files:
+    worst = worst_relative = 0.0
+    for path in sorted(data.glob("data_*.pt")):
         sample = torch.load(path, weights_only=True)
         assert set(sample) == {"input_ids", "hidden_states", "loss_mask"}
         n = sample["input_ids"].shape[0]
@@ -179,16 +180,85 @@ def test_samples_are_saved_as_speculators_saves_them(pipeline: dict[str, Any]) -
         for layer, got in zip(LAYER_IDS, sample["hidden_states"], strict=True):
             want = captured[layer][0]
             assert got.shape == want.shape == (n, 64)
-            worst = max(worst, (got.float() - want).abs().max().item())
+            diff = (got.float() - want).abs().max().item()
+            worst = max(worst, diff)
+            worst_relative = max(worst_relative, diff / want.abs().max().item())
+    return worst, worst_relative
+
+
+def summary_lines(log: str) -> list[str]:
+    """The guard's one summary line per process, from a stage's stderr."""
+    return [line for line in log.splitlines() if "vllm_compat" in line and "vllm-compat: vLLM " in line]
+
+
+def test_samples_are_saved_as_speculators_saves_them(pipeline: dict[str, Any]) -> None:
+    generated = pipeline["generate"]
+    assert generated["status"]["installed"], "vllm-compat was not active in the script"
+    assert generated["workers"] and all(w["installed"] for w in generated["workers"]), generated["workers"]
+    assert all(w["pid"] != generated["pid"] for w in generated["workers"])
+    assert generated["vllm_dtype"] == "torch.float32"
+    assert generated["layer_ids"] == list(LAYER_IDS)
+    assert generated["calls"] == [SAMPLES], "one generate() call of more than 32 sequences"
+    assert len(summary_lines(pipeline["generate_log"])) == 1, pipeline["generate_log"][-3000:]
+
+    files = sorted(pipeline["data"].glob("data_*.pt"))
+    assert len(files) == generated["samples"] == SAMPLES
+    assert (pipeline["data"] / "data_config.json").exists()
+    assert (pipeline["data"] / "sample_lengths.json").exists() == (generated["line"] == "0.4.0.1")
+    worst, _relative = compare_samples(pipeline["data"], pipeline["model"])
     _record("training_samples_max_abs_diff", worst)
     assert worst < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def script_defaults(pipeline: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The data-generation stage on the script's defaults: no --dtype, --batch-size or --tensor-parallel-size."""
+    work = tmp_path_factory.mktemp("script-defaults")
+    data = work / "data"
+    done, report = run_stage(
+        "generate",
+        [
+            "--target-model-path", str(pipeline["model"]),
+            "--train-data-path", str(pipeline["work"] / "conversations.jsonl"),
+            "--output-dir", str(data),
+            "--layer-ids", *map(str, LAYER_IDS),
+            "--token-freq-path", str(work / "token_freq.pt"),
+        ],
+        work,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    return {"report": report, "log": done.stderr, "data": data}
+
+
+def test_the_scripts_defaults(pipeline: dict[str, Any], script_defaults: dict[str, Any]) -> None:
+    """dtype="auto" (bfloat16 on vLLM's CPU platform), batches of 8, tensor_parallel_size from the accelerator count."""
+    import torch
+
+    generated, log = script_defaults["report"], script_defaults["log"]
+    assert generated["status"]["installed"]
+    assert generated["vllm_dtype"] == "torch.bfloat16"
+    full, rest = divmod(SAMPLES, SCRIPT_BATCH_SIZE)
+    assert generated["calls"] == [SCRIPT_BATCH_SIZE] * full + ([rest] if rest else [])
+    assert generated["tensor_parallel_size_asked"] == torch.accelerator.device_count()
+    assert generated["tensor_parallel_size"] == max(1, torch.accelerator.device_count())
+    if generated["tensor_parallel_size_asked"] == 0:
+        assert "cpu-tensor-parallel-zero" in generated["status"]["applied"]
+        assert "tensor_parallel_size=0" in log and "using 1" in log
+    lines = summary_lines(log)
+    assert len(lines) == 1, log[-3000:]
+    assert f"line {generated['line']}, judged from its code" in lines[0] and "0 unhandled" in lines[0]
+    assert len(list(script_defaults["data"].glob("data_*.pt"))) == generated["samples"] == SAMPLES
+    worst, relative = compare_samples(script_defaults["data"], pipeline["model"])
+    _record("script_defaults_bf16_max_abs_diff", worst)
+    _record("script_defaults_bf16_max_relative_diff", relative)
+    assert relative < BF16_RELATIVE_TOLERANCE
 
 
 def test_vocabulary_mapping(pipeline: dict[str, Any]) -> None:
     import numpy as np
 
     assert pipeline["vocab"]["d2t"] == [DRAFT_VOCAB] and pipeline["vocab"]["t2d"] == [512]
-    d2t, t2d = np.load(pipeline["data"] / "d2t.npy"), np.load(pipeline["data"] / "t2d.npy")
+    d2t, t2d = np.load(pipeline["vocab_dir"] / "d2t.npy"), np.load(pipeline["vocab_dir"] / "t2d.npy")
     assert int(t2d.sum()) == DRAFT_VOCAB
     assert sorted((np.arange(DRAFT_VOCAB) + d2t).tolist()) == np.flatnonzero(t2d).tolist()
 

@@ -1,21 +1,32 @@
 """speculators' offline EAGLE-3 pipeline, three stages as its three scripts run them; it never imports vllm_compat.
 
 The end-to-end training test runs each stage as ``vllm-compat run -- python train_pipeline.py STAGE ...``, the way a
-user runs speculators' own scripts unchanged. The stages follow those scripts of speculators 0.3.0 / 0.4.0.1:
+user runs speculators' own scripts unchanged. Each stage calls the speculators functions its script calls, in the
+same order, with the same arguments and the script's defaults (those of the installed release's scripts, 0.3.0 or
+0.4.0.1, where they differ):
 
-- ``generate``: scripts/data_generation_offline.py: ``load_and_preprocess_dataset`` (tokenise a conversation file
-  with the chat template, loss masks, token frequencies), ``VllmHiddenStatesGenerator``, one ``data_{i}.pt`` per
-  sample holding ``input_ids``, ``hidden_states`` (one tensor per layer) and ``loss_mask``, then
-  ``data_config.json``;
-- ``vocab``: scripts/build_vocab_mapping.py: ``build_vocab_mappings_from_distribution`` -> ``d2t.npy``, ``t2d.npy``;
-- ``train``: scripts/train.py: ``Eagle3SpeculatorConfig``, ``Eagle3DraftModel``, ``Eagle3SampleFileDataset`` with
-  the multipack batch sampler and speculators' collate function, ``Trainer(...).run_training()`` (optimizer steps,
-  validation, checkpoint).
+- ``generate``: scripts/data_generation_offline.py: ``logging.basicConfig(INFO)``; ``load_and_preprocess_dataset``
+  (tokenise a conversation file with the chat template, loss masks, token frequencies); the resume point from the
+  files already saved; ``VllmHiddenStatesGenerator(model_path, layer_ids, max_model_len=seq_length,
+  gpu_memory_utilization, tensor_parallel_size)`` with ``--tensor-parallel-size`` defaulting to
+  ``torch.accelerator.device_count()`` (0 on a CPU host) and ``--batch-size`` to 8; one ``generate()`` call per
+  batch; each sample saved as ``data_{i}.pt`` (``input_ids``, ``hidden_states`` one tensor per layer, ``loss_mask``)
+  on a pool of 4 threads; ``sample_lengths.json`` (0.4.0.1); ``DataGenerationConfig.from_generator`` ->
+  ``data_config.json``. vLLM computes in the model's dtype, ``dtype="auto"`` (bfloat16 on vLLM's CPU platform);
+- ``vocab``: scripts/build_vocab_mapping.py: ``build_vocab_mappings_from_distribution`` -> ``d2t.npy``, ``t2d.npy``
+  in the ``--output-path`` folder;
+- ``train``: scripts/train.py: the draft layer config from the verifier's, then for 0.3.0 ``Eagle3SpeculatorConfig``
+  and ``Eagle3DraftModel`` built by hand, for 0.4.0.1 ``set_seed``, ``SpeculatorModel.registry["eagle3"]
+  .from_training_args(...)`` and ``get_trainer_kwargs(...)`` with the script's argument defaults;
+  ``Eagle3SampleFileDataset`` with the multipack batch sampler and speculators' collate function,
+  ``Trainer(...).run_training()`` (optimizer steps, validation, checkpoint).
 
 What differs from those scripts, each a test-harness choice forced by running on a 2-core CPU, not by vLLM:
 
-- ``--dtype float32`` (generate) keeps vLLM's CPU backend from computing a float32 checkpoint in bfloat16 (its
-  choice for ``dtype="auto"``), so saved states can be compared with transformers (as tests/e2e/extract.py does);
+- ``--dtype float32`` (generate, when given) keeps vLLM's CPU backend from computing a float32 checkpoint in
+  bfloat16, so saved states can be compared with transformers at 1e-4 (as tests/e2e/extract.py does); without it the
+  script's ``dtype="auto"`` runs and the comparison uses a bfloat16 tolerance;
+- ``--num-preprocessing-workers`` defaults to 1 (the script's 8 worker processes on 2 cores);
 - ``--device cpu`` (train): speculators' trainer moves the model and batches to ``local_rank``, a CUDA device; here
   ``TrainerConfig(local_rank="cpu")``;
 - ``--attention dense`` (train): torch's FlexAttention, which speculators' draft model uses
@@ -23,7 +34,8 @@ What differs from those scripts, each a test-harness choice forced by running on
   speculators' own ``block_mask_to_dense_attention_mask`` of the same BlockMask, then scaled dot-product attention.
   ``--check-attention`` compares the two on the masks the model builds (forward only, which FlexAttention runs on
   CPU) and records the difference;
-- data loaders without worker processes; tiny model, sequence and vocabulary sizes;
+- data loaders without worker processes (the script's 12, pinned memory, persistent workers); speculators' metric
+  loggers replaced by a handler that keeps the metrics; one epoch; tiny model, sequence and vocabulary sizes;
 - no accelerator (generate): speculators 0.4.0.1's ``DataGenerationConfig.from_generator`` records the GPU's name
   through ``speculators.utils.util.get_device_name(0)``, which asks torch for the accelerator it was *compiled*
   with (``torch.accelerator.current_accelerator()``, no run-time check). With a CUDA build of torch on a host
@@ -45,6 +57,7 @@ import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 
@@ -59,6 +72,9 @@ def write_report(path: str | None, data: dict) -> None:
 
 
 # -- stage 1: scripts/data_generation_offline.py ------------------------------------------------------------------
+MAX_IO_WORKERS = 4  # the script's thread pool for saving samples
+
+
 def generate(args: argparse.Namespace) -> dict:
     import torch
     from datasets import config as datasets_config
@@ -67,48 +83,66 @@ def generate(args: argparse.Namespace) -> dict:
     from speculators.data_generation.vllm_hidden_states_generator import VllmHiddenStatesGenerator
 
     started = time.perf_counter()
+    # main(): preprocess (cached by datasets), with the script's arguments
     dataset, _tokenizer = load_and_preprocess_dataset(
         target_model_path=args.target_model_path,
         train_data_path=args.train_data_path,
         seq_length=args.seq_length,
-        build_dataset_num_proc=1,
+        build_dataset_num_proc=args.num_preprocessing_workers,
         seed=args.seed,
         max_samples=args.max_samples,
         token_freq_path=args.token_freq_path,
         cache_dir=args.hf_cache_dir,
+        assistant_pattern=args.assistant_pattern,
+        turn_dropout=args.turn_dropout,
     )
     if args.dtype:
         _force_dtype(args.dtype)
     _no_accelerator_metadata()
+    # generate_and_save_hidden_states(): resume point, generator, batches, saves on a thread pool, lengths, config
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    start_file_idx = _find_last_checkpoint(output_dir)
+    lengths_path = output_dir / "sample_lengths.json"
+    sample_lengths = json.loads(lengths_path.read_text()) if start_file_idx > 0 and lengths_path.exists() else {}
+    num_samples = len(dataset)
+    start_sample_idx = start_file_idx - args.start_idx
     generator = VllmHiddenStatesGenerator(
         model_path=args.target_model_path,
         layer_ids=args.layer_ids,
-        max_model_len=args.max_model_len,
-        gpu_memory_utilization=0.8,
-        tensor_parallel_size=1,
+        max_model_len=args.seq_length,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     initialised = time.perf_counter()
-    file_idx = 0
-    for i in range(0, len(dataset), args.batch_size):
-        batch = dataset[i : i + args.batch_size]
-        results = generator.generate(batch["input_ids"])
-        for j, result in enumerate(results):
-            input_len = len(result["input_ids"])
-            sample = {
-                "input_ids": result["input_ids"],
-                "hidden_states": [h.contiguous() for h in result["hidden_states"]],
-                "loss_mask": batch["loss_mask"][j][:input_len],
-            }
-            torch.save(sample, output_dir / f"data_{file_idx}.pt")
-            file_idx += 1
+    file_idx, calls = start_file_idx, []
+    with ThreadPoolExecutor(max_workers=MAX_IO_WORKERS) as thread_executor:
+        futures = []
+        for i in range(start_sample_idx, num_samples, args.batch_size):
+            batch = dataset[i : min(i + args.batch_size, num_samples)]
+            batch_loss_mask = batch["loss_mask"]
+            results = generator.generate(batch["input_ids"])
+            calls.append(len(results))
+            for j, result in enumerate(results):
+                input_len = len(result["input_ids"])
+                sample_lengths[str(file_idx)] = input_len
+                sample = {
+                    "input_ids": result["input_ids"],
+                    "hidden_states": [h.contiguous() for h in result["hidden_states"]],
+                    "loss_mask": batch_loss_mask[j][:input_len],
+                }
+                futures.append(thread_executor.submit(torch.save, sample, output_dir / f"data_{file_idx}.pt"))
+                file_idx += 1
+        for future in as_completed(futures):
+            future.result()
+    if _line() == "0.4.0.1":  # 0.3.0's script keeps no sample lengths
+        lengths_path.write_text(json.dumps(sample_lengths, indent=2))
     config = DataGenerationConfig.from_generator(
         generator=generator,
         train_data_path=args.train_data_path,
         seq_length=args.seq_length,
-        cache_dir=str(args.hf_cache_dir or datasets_config.HF_DATASETS_CACHE),
-        num_samples=len(dataset),
+        cache_dir=str(args.hf_cache_dir if args.hf_cache_dir else datasets_config.HF_DATASETS_CACHE),
+        num_samples=num_samples,
         max_samples=args.max_samples,
         seed=args.seed,
     )
@@ -117,13 +151,31 @@ def generate(args: argparse.Namespace) -> dict:
     vllm_dtype = str(generator.vllm_config.model_config.dtype)
     generator.executor.shutdown()
     return {
-        "samples": file_idx,
+        "samples": file_idx - start_file_idx,
+        "calls": calls,
         "layer_ids": list(generator.layer_ids),
         "vllm_dtype": vllm_dtype,
+        "tensor_parallel_size_asked": args.tensor_parallel_size,
+        "tensor_parallel_size": generator.tensor_parallel_size,
+        "line": _line(),
         "preprocess_seconds": initialised - started,
         "seconds": time.perf_counter() - started,
         "workers": workers,
     }
+
+
+def _find_last_checkpoint(output_dir: Path) -> int:
+    """The script's resume point: one past the highest ``data_{i}.pt`` already saved."""
+    indices = [int(p.stem[5:]) for p in output_dir.glob("data_*.pt") if p.stem[5:].isdigit()]
+    return max(indices) + 1 if indices else 0
+
+
+def _line() -> str:
+    """Which release's scripts to follow: 0.4.0.1's train.py builds the draft model through
+    ``SpeculatorModel.from_training_args``, which 0.3.0 lacks."""
+    from speculators.model import SpeculatorModel
+
+    return "0.4.0.1" if hasattr(SpeculatorModel, "from_training_args") else "0.3.0"
 
 
 def _worker_report(worker) -> dict:
@@ -162,17 +214,30 @@ def vocab(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoConfig
 
-    token_freq_dict = torch.load(args.token_freq_path, weights_only=True)
+    token_freq_path = Path(args.token_freq_path)
+    if not token_freq_path.exists():
+        raise FileNotFoundError(f"Token frequency file not found: {token_freq_path}")
+    token_freq_dict = torch.load(token_freq_path, weights_only=True)
+    if (args.target_vocab_size is None) == (args.target_model_path is None):
+        raise ValueError("give exactly one of --target-vocab-size and --target-model-path (as the script requires)")
+    if args.target_vocab_size is not None:
+        target_vocab_size = args.target_vocab_size
+    else:
+        config = AutoConfig.from_pretrained(args.target_model_path)
+        if _line() == "0.4.0.1" and hasattr(config, "text_config"):  # 0.4.0.1: multimodal models
+            config = config.text_config
+        target_vocab_size = config.vocab_size
     d2t, t2d = build_vocab_mappings_from_distribution(
         token_freq_dict=token_freq_dict,
         draft_vocab_size=args.draft_vocab_size,
-        target_vocab_size=args.target_vocab_size,
+        target_vocab_size=target_vocab_size,
     )
-    output_dir = Path(args.output_path).parent
-    output_dir.mkdir(parents=True, exist_ok=True)
-    np.save(output_dir / "d2t.npy", d2t.cpu().numpy())
-    np.save(output_dir / "t2d.npy", t2d.cpu().numpy())
+    output_path = Path(args.output_path)
+    output_path.mkdir(parents=True, exist_ok=True)
+    np.save(output_path / "d2t.npy", d2t.cpu().numpy())
+    np.save(output_path / "t2d.npy", t2d.cpu().numpy())
     return {"d2t": list(d2t.shape), "t2d": list(t2d.shape), "distinct_tokens": len(token_freq_dict)}
 
 
@@ -180,20 +245,21 @@ def vocab(args: argparse.Namespace) -> dict:
 def train(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
     from speculators.train.data import Eagle3SampleFileDataset, create_collate_fn, split_files, standardize_data_v1
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
     from speculators.train.noise_transforms import AddUniformNoise
     from speculators.train.trainer import Trainer, TrainerConfig
     from torch.utils.data import DataLoader
-    from transformers import LlamaConfig
-    from transformers.models.auto.configuration_auto import AutoConfig
 
-    torch.manual_seed(args.seed)
+    line = _line()
+    script_args = _train_script_args(args)
+    if line == "0.4.0.1":
+        _set_seed(args.seed)  # 0.4.0.1's set_seed(args.seed, args.deterministic_cuda)
+    else:
+        torch.manual_seed(args.seed)
     metrics = _capture_metrics()
-    report: dict = {}
+    report: dict = {"line": line}
     if args.attention == "dense":
         _register_dense_attention()
         if args.check_attention:
@@ -203,36 +269,34 @@ def train(args: argparse.Namespace) -> dict:
     d2t = torch.from_numpy(np.load(args.d2t_path)).to(device)
     t2d = torch.from_numpy(np.load(args.t2d_path)).to(device)
     draft_vocab_size = d2t.shape[0]
+    transformer_layer_config = _transformer_layer_config(args, line)
+    if line == "0.4.0.1":  # the draft model from speculators' registry and the script's arguments
+        from speculators.model import SpeculatorModel
 
-    verifier_config = AutoConfig.from_pretrained(args.verifier_name_or_path)
-    transformer_layer_config = LlamaConfig(
-        vocab_size=verifier_config.vocab_size,
-        hidden_size=verifier_config.hidden_size,
-        intermediate_size=verifier_config.intermediate_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=verifier_config.num_attention_heads,
-        num_key_value_heads=verifier_config.num_key_value_heads,
-        hidden_act=verifier_config.hidden_act,
-        max_position_embeddings=verifier_config.max_position_embeddings,
-        initializer_range=verifier_config.initializer_range,
-        rms_norm_eps=verifier_config.rms_norm_eps,
-        head_dim=getattr(verifier_config, "head_dim", None),
-    )
-    transformer_layer_config._attn_implementation = (
-        "simple_flex_attention" if args.attention == "flex" else DENSE_ATTENTION
-    )
-    speculator_config = Eagle3SpeculatorConfig(
-        transformer_layer_config=transformer_layer_config,
-        draft_vocab_size=draft_vocab_size,
-        norm_before_residual=True,
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy", speculative_tokens=args.ttt_steps)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=args.verifier_name_or_path, architectures=["LlamaForCausalLM"]),
-        ),
-    )
-    draft_model = Eagle3DraftModel(config=speculator_config, t2d=t2d, d2t=d2t)
+        if SpeculatorModel.registry_auto_discovery:
+            SpeculatorModel.auto_populate_registry()
+        model_class = SpeculatorModel.registry[script_args["speculator_type"]]
+        draft_model = model_class.from_training_args(
+            verifier_config=transformer_layer_config, t2d=t2d, d2t=d2t, draft_vocab_size=draft_vocab_size,
+            **script_args,
+        )  # fmt: skip
+    else:  # 0.3.0 builds the config by hand
+        from speculators.config import SpeculatorsConfig, VerifierConfig
+        from speculators.models.eagle3 import Eagle3DraftModel
+        from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+        speculator_config = Eagle3SpeculatorConfig(
+            transformer_layer_config=transformer_layer_config,
+            draft_vocab_size=draft_vocab_size,
+            norm_before_residual=True,
+            speculators_config=SpeculatorsConfig(
+                algorithm="eagle3",
+                proposal_methods=[GreedyTokenProposalConfig(proposal_type="greedy", speculative_tokens=args.ttt_steps)],
+                default_proposal_method="greedy",
+                verifier=VerifierConfig(name_or_path=args.verifier_name_or_path, architectures=["LlamaForCausalLM"]),
+            ),
+        )
+        draft_model = Eagle3DraftModel(config=speculator_config, t2d=t2d, d2t=d2t)
     before = {k: v.detach().clone() for k, v in draft_model.named_parameters() if v.requires_grad}
 
     def loader(files: list, noise: bool) -> DataLoader:
@@ -252,22 +316,36 @@ def train(args: argparse.Namespace) -> dict:
 
     train_files, val_files = split_files(args.data_path, ratio=0.9)
     train_loader, val_loader = loader(train_files, True), (loader(val_files, False) if val_files else None)
-    call_kwargs = {"use_off_policy_tokens": False, "ttt_steps": args.ttt_steps, "ttt_step_loss_decay": 1.0}
-    trainer = Trainer(
-        draft_model,
-        TrainerConfig(
+    local_rank = args.device if args.device == "cpu" else int(args.device.split(":")[-1])
+    if line == "0.4.0.1":
+        train_call_kwargs, val_call_kwargs = model_class.get_trainer_kwargs(**script_args)
+        config = TrainerConfig(
+            num_epochs=args.epochs,
+            save_path=args.save_path,
+            lr=args.lr,
+            resume_from_checkpoint=not script_args["no_resume_from_checkpoint"],
+            is_distributed=False,
+            local_rank=local_rank,
+            train_call_kwargs=train_call_kwargs,
+            val_call_kwargs=val_call_kwargs,
+            scheduler_type=script_args["scheduler_type"],
+            scheduler_warmup_steps=script_args["scheduler_warmup_steps"],
+            scheduler_total_steps=script_args["scheduler_total_steps"],
+            scheduler_num_cosine_cycles=script_args["scheduler_num_cosine_cycles"],
+        )
+    else:
+        call_kwargs = {"use_off_policy_tokens": False, "ttt_steps": args.ttt_steps, "ttt_step_loss_decay": 1.0}
+        config = TrainerConfig(
             num_epochs=args.epochs,
             save_path=args.save_path,
             lr=args.lr,
             resume_from_checkpoint=False,
             is_distributed=False,
-            local_rank=args.device if args.device == "cpu" else int(args.device.split(":")[-1]),
+            local_rank=local_rank,
             train_call_kwargs=call_kwargs,
             val_call_kwargs=call_kwargs,
-        ),
-        train_loader,
-        val_loader,
-    )
+        )
+    trainer = Trainer(draft_model, config, train_loader, val_loader)
     started = time.perf_counter()
     trainer.run_training()
     changed = [k for k, v in draft_model.named_parameters() if k in before and not torch.equal(before[k], v.detach())]
@@ -290,6 +368,79 @@ def train(args: argparse.Namespace) -> dict:
         },
         "seconds": time.perf_counter() - started,
     }
+
+
+def _train_script_args(args: argparse.Namespace) -> dict:
+    """``vars(args)`` as 0.4.0.1's train.py parses them: its defaults, with the values this harness passes."""
+    return {
+        "verifier_name_or_path": args.verifier_name_or_path,
+        "speculator_type": "eagle3",
+        "data_path": args.data_path,
+        "save_path": args.save_path,
+        "epochs": args.epochs,
+        "lr": args.lr,
+        "no_resume_from_checkpoint": True,  # a fresh run
+        "logger": "",
+        "total_seq_len": args.total_seq_len,
+        "log_dir": "./logs",
+        "run_name": None,
+        "num_layers": args.num_layers,
+        "draft_arch": "llama",
+        "d2t_path": args.d2t_path,
+        "t2d_path": args.t2d_path,
+        "ttt_steps": args.ttt_steps,
+        "ttt_step_loss_decay": 1.0,
+        "seed": args.seed,
+        "deterministic_cuda": False,
+        "use_off_policy_tokens": False,
+        "norm_before_residual": True,
+        "embed_requires_grad": False,
+        "num_workers": 0,
+        "prefetch_factor": None,
+        "noise_std": 0.05,
+        "scheduler_type": "linear",
+        "scheduler_warmup_steps": None,
+        "scheduler_total_steps": None,
+        "scheduler_num_cosine_cycles": 0.5,
+    }
+
+
+def _set_seed(seed: int) -> None:
+    """0.4.0.1's set_seed (deterministic_cuda off)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def _transformer_layer_config(args: argparse.Namespace, line: str):
+    """create_transformer_layer_config (0.4.0.1: with the multimodal text_config), draft architecture llama."""
+    from transformers import LlamaConfig
+    from transformers.models.auto.configuration_auto import AutoConfig
+
+    verifier_config = AutoConfig.from_pretrained(args.verifier_name_or_path)
+    if line == "0.4.0.1" and hasattr(verifier_config, "text_config"):
+        verifier_config = verifier_config.text_config
+    config = LlamaConfig(
+        vocab_size=verifier_config.vocab_size,
+        hidden_size=verifier_config.hidden_size,
+        intermediate_size=verifier_config.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=verifier_config.num_attention_heads,
+        num_key_value_heads=verifier_config.num_key_value_heads,
+        hidden_act=verifier_config.hidden_act,
+        max_position_embeddings=verifier_config.max_position_embeddings,
+        initializer_range=verifier_config.initializer_range,
+        rms_norm_eps=verifier_config.rms_norm_eps,
+        head_dim=getattr(verifier_config, "head_dim", None),
+    )
+    config._attn_implementation = "simple_flex_attention" if args.attention == "flex" else DENSE_ATTENTION
+    return config
 
 
 DENSE_ATTENTION = "dense_block_mask_attention"
@@ -367,25 +518,31 @@ def main() -> int:
     parser.add_argument("--report", default=None, help="write what the stage did here (JSON)")
     stages = parser.add_subparsers(dest="stage", required=True)
 
-    g = stages.add_parser("generate")
+    g = stages.add_parser("generate")  # data_generation_offline.py's arguments and defaults
     g.add_argument("--target-model-path", required=True)
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="default: torch.accelerator.device_count()")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     g.add_argument("--train-data-path", required=True)
-    g.add_argument("--output-dir", required=True)
-    g.add_argument("--layer-ids", type=int, nargs="+", default=None)
     g.add_argument("--seq-length", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-samples", type=int, default=None)
-    g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--token-freq-path", default="./token_freq.pt")
     g.add_argument("--hf-cache-dir", default=None)
+    g.add_argument("--assistant-pattern", default=None)
+    g.add_argument("--turn-dropout", action="store_true")
+    g.add_argument("--output-dir", required=True)
+    g.add_argument("--layer-ids", type=int, nargs="+", default=None)
+    g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--start-idx", type=int, default=0)
+    g.add_argument("--num-preprocessing-workers", type=int, default=1, help="test harness: the script's default is 8")
     g.add_argument("--dtype", default=None, help="test harness: force vLLM's model dtype")
 
-    v = stages.add_parser("vocab")
+    v = stages.add_parser("vocab")  # build_vocab_mapping.py's arguments
     v.add_argument("--token-freq-path", required=True)
     v.add_argument("--draft-vocab-size", type=int, required=True)
-    v.add_argument("--target-vocab-size", type=int, required=True)
-    v.add_argument("--output-path", required=True)
+    v.add_argument("--target-vocab-size", type=int, required=False)
+    v.add_argument("--target-model-path", required=False)
+    v.add_argument("--output-path", required=True, help="a folder: d2t.npy and t2d.npy are saved in it")
 
     t = stages.add_parser("train")
     t.add_argument("--verifier-name-or-path", required=True)
@@ -404,6 +561,13 @@ def main() -> int:
     t.add_argument("--check-attention", action="store_true")
     args = parser.parse_args()
 
+    if args.stage == "generate":
+        import torch
+
+        if args.tensor_parallel_size is None:  # the script's default, evaluated as it does when it parses
+            args.tensor_parallel_size = torch.accelerator.device_count()
+        # the script configures logging on import
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
     stage = {"generate": generate, "vocab": vocab, "train": train}[args.stage]
     result = stage(args)
     write_report(args.report, {"stage": args.stage, **result, "status": compat_status(), "pid": os.getpid()})

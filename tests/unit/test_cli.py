@@ -22,12 +22,14 @@ import pytest
 
 import vllm_compat.cli as cli
 import vllm_compat.versions as versions
+from vllm_compat.lines import LineVerdict
 
 TOP_KEYS = {
     "schema_version",
     "vllm_version",
     "speculators_version",
     "speculators_lines",
+    "speculators_judged",
     "source",
     "families",
     "findings",
@@ -235,7 +237,7 @@ def _lines_judged(report: dict) -> set[str]:
 
 
 def test_speculators_filter(new_field_tree: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setattr(cli, "installed_version", lambda pkg: None)  # no speculators installed
+    monkeypatch.setattr(cli, "judge_line", lambda: LineVerdict(None, "absent"))  # no speculators installed
     source = ["probe", "--source", str(new_field_tree), "--json"]
 
     both = json.loads(run_main(source, capsys)[1])
@@ -258,9 +260,7 @@ def test_speculators_filter(new_field_tree: Path, monkeypatch, capsys) -> None:
 
 
 def test_installed_speculators_picks_its_line(new_field_tree: Path, monkeypatch, capsys) -> None:
-    from packaging.version import Version
-
-    monkeypatch.setattr(cli, "installed_version", lambda pkg: Version("0.3.5") if pkg == "speculators" else None)
+    monkeypatch.setattr(cli, "judge_line", lambda: LineVerdict("0.3.0", "metadata", "0.3.5"))
     _rc, out, _err = run_main(["probe", "--source", str(new_field_tree), "--json"], capsys)
     report = json.loads(out)
     assert report["speculators_lines"] == ["0.3.0"]
@@ -272,6 +272,33 @@ def test_installed_speculators_picks_its_line(new_field_tree: Path, monkeypatch,
     )
     assert report["speculators_lines"] == ["0.4.0.1"]
     assert report["speculators_version"] == "0.4.0.1"
+
+
+@pytest.mark.parametrize(
+    ("asked", "line"), [("0.4.0", "0.4.0.1"), ("0.4.2", "0.4.0.1"), ("0.3.1", "0.3.0"), ("0.4.0.1", "0.4.0.1")]
+)
+def test_any_served_speculators_version_is_judged_as_its_line(
+    new_field_tree: Path, asked: str, line: str, capsys
+) -> None:
+    """docs/limits.md: 0.3.x and 0.4.x releases are judged as the 0.3.0 and 0.4.0.1 lines; --speculators says so."""
+    source = ["probe", "--source", str(new_field_tree), "--speculators", asked]
+    rc, out, _err = run_main([*source, "--json"], capsys)
+    report = json.loads(out)
+    assert rc in (0, 1)
+    assert report["speculators_lines"] == [line]
+    assert report["speculators_version"] == asked
+    assert _lines_judged(report) == {line}
+    judged = f"judged as the {line} line" if asked != line else "--speculators"
+    assert judged in report["speculators_judged"]
+    _rc, table, _err = run_main(source, capsys)
+    assert f"speculators: {report['speculators_judged']}" in table and f"speculators {line}:" in table
+
+
+@pytest.mark.parametrize("asked", ["0.5.0", "0.2.9", "1.0", "not-a-version"])
+def test_a_speculators_version_outside_both_lines_is_a_usage_error(asked: str, capsys) -> None:
+    rc, out, err = run_main(["probe", "--speculators", asked], capsys)
+    assert rc == 2 and out == ""
+    assert "0.3.x and 0.4.x" in err
 
 
 # -- against real releases (wheels from the cache or the index) --------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import types
@@ -17,6 +18,7 @@ from vllm_compat import plugin
 from vllm_compat.adapter import Adapter
 from vllm_compat.errors import UnhandledDrift
 from vllm_compat.findings import Observation, probe
+from vllm_compat.lines import LineVerdict
 
 TARGET = "vc_test_target"
 APPLY_CALLS: list[str] = []
@@ -46,6 +48,7 @@ def sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(
         engine_module, "installed_version", lambda name: Version("0.4.0.1") if name == "speculators" else None
     )
+    monkeypatch.setattr(engine_module, "judge_line", lambda: LineVerdict("0.4.0.1", "metadata", "0.4.0.1"))
     monkeypatch.setenv("VLLM_COMPAT_ACTIVE", "")
     state = {"variant": "renamed"}
 
@@ -203,3 +206,19 @@ def test_a_removed_name_fails_closed_at_import(sandbox) -> None:
         vc_test_target.other  # noqa: B018
     engine.uninstall()
     assert "__getattr__" not in vars(vc_test_target)
+
+
+def test_the_guard_logs_one_summary_line_per_process(sandbox, caplog: pytest.LogCaptureFixture) -> None:
+    """Versions, the line and how it was judged, the drifts covered and by which adapters: once, at INFO."""
+    engine, _state = sandbox
+    import vc_test_target  # noqa: F401  (the covered drift's adapter applies)
+
+    engine.install()
+    with caplog.at_level(logging.INFO, logger="vllm_compat"):
+        engine.check(where="VllmHiddenStatesGenerator.__init__")
+        engine.check(where="VllmHiddenStatesGenerator.__init__")  # a second generator in the same process
+    lines = [r for r in caplog.records if r.getMessage().startswith("vllm-compat: vLLM")]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    message = lines[0].getMessage()
+    assert "speculators 0.4.0.1 (line 0.4.0.1, judged from the metadata" in message
+    assert "1 drift(s) covered by test-fake" in message and "0 unhandled" in message

@@ -28,6 +28,7 @@ import vllm_compat.engine as engine_module
 import vllm_compat.findings as findings_module
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, probe
+from vllm_compat.lines import LineVerdict
 from vllm_compat.models import ENV_FAMILIES, architectures_of, model_families
 from vllm_compat.plan import DEFAULT_FAMILIES, make_plan
 
@@ -217,6 +218,7 @@ def guarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(
         engine_module, "installed_version", lambda name: Version("0.4.0.1") if name == "speculators" else None
     )
+    monkeypatch.setattr(engine_module, "judge_line", lambda: LineVerdict("0.4.0.1", "metadata", "0.4.0.1"))
     monkeypatch.setenv("VLLM_COMPAT_ACTIVE", "")
     monkeypatch.delenv(ENV_FAMILIES, raising=False)
 
