@@ -635,7 +635,7 @@ def remove_dead_files() -> int:
     """
     removed = 0
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(SHM_DIR) if _is_states_file(n)]
     except OSError:
         return 0
     for name in names:
@@ -662,6 +662,13 @@ def remove_dead_files() -> int:
     if removed:
         logger.info("states-through-shared-memory: removed %d states file(s) of dead workers from %s", removed, SHM_DIR)
     return removed
+
+
+def _is_states_file(name: str) -> bool:
+    """A name this transport makes: the prefix and 32 hex digits. Files of vllm-compat 0.1.0 (the prefix, a pid,
+    ``_``, hex) took no lock, so a live one cannot be told from a dead one: they are left to that version."""
+    rest = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
+    return len(rest) == 32 and all(c in "0123456789abcdef" for c in rest)
 
 
 _WARNED: list[bool] = []

@@ -488,3 +488,23 @@ def test_per_request_collect_leaves_other_shapes_to_speculators() -> None:
     assert transfer.collect_per_request(types.SimpleNamespace(_captured_states=None)) is None
     ext = types.SimpleNamespace(_captured_states=[[torch.zeros(2, 4)]])  # no _request_metadata: speculators 0.3.0
     assert transfer.collect_per_request(ext) is None and ext._captured_states is not None
+
+
+@needs_shm
+def test_only_this_transports_unlocked_files_are_removed() -> None:
+    """An unlocked file of this transport's naming is a dead worker's; a file of vllm-compat 0.1.0's naming (which
+    took no lock, so a live one looks the same) and a file of another program are left alone."""
+    import uuid
+
+    dead = Path(transport.SHM_DIR) / f"{transport.PREFIX}{uuid.uuid4().hex}"
+    older = Path(transport.SHM_DIR) / f"{transport.PREFIX}{os.getpid()}_{uuid.uuid4().hex}"
+    other = Path(transport.SHM_DIR) / f"not_{transport.PREFIX}{uuid.uuid4().hex}"
+    for path in (dead, older, other):
+        path.write_bytes(b"x" * 64)
+    try:
+        assert transport.remove_dead_files() >= 1
+        assert not dead.exists()
+        assert older.exists() and other.exists()
+    finally:
+        for path in (dead, older, other):
+            path.unlink(missing_ok=True)
