@@ -1,7 +1,7 @@
 """The patch engine: post-import hooks, the adapter lifecycle and the fail-closed policy.
 
-``install()`` only registers wrapt post-import hooks (and sets an environment variable that vLLM's
-worker processes inherit). Work happens when a target module is imported: the probes an adapter
+``install()`` only registers post-import hooks (``vllm_compat.hooks``) and sets an environment variable that vLLM's
+worker processes inherit. Work happens when a target module is imported: the probes an adapter
 answers to are run against the live vLLM, and the adapter is applied only if they find the drift
 it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
 :class:`UnhandledDrift` before a model loads.
@@ -17,9 +17,7 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-import wrapt
-
-from vllm_compat import plugin
+from vllm_compat import hooks, plugin
 from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, State
@@ -53,6 +51,7 @@ class _Engine:
         self.observations: dict[str, Observation] = {}
         self.guard: Patch | None = None
         self.name_guards: dict[str, Patch] = {}
+        self.module_locks: dict[str, threading.RLock] = {}  # one per hooked module: see _on_import
         self._view: Any = None
 
     # -- public API --------------------------------------------------------------------------
@@ -68,8 +67,8 @@ class _Engine:
             for target in sorted({a.target for a in adapters.values()} | {GUARD_MODULE} | set(_imported_names())):
                 if target not in self.hooked:
                     self.hooked.add(target)
-                    wrapt.register_post_import_hook(self._on_import, target)  # fires now if imported
-                elif target in sys.modules:
+                    hooks.register(target, self._on_import)  # fires now if imported
+                elif target in sys.modules and not _initializing(sys.modules[target]):  # else its hook fires soon
                     self._on_import(sys.modules[target])
             if self.strict:
                 plan = self.live_plan()
@@ -124,7 +123,10 @@ class _Engine:
 
     # -- hooks -------------------------------------------------------------------------------
     def _on_import(self, module: ModuleType) -> None:
-        with self.lock:
+        # A hook runs while its thread holds the module's import lock, and applying adapters imports other modules.
+        # Waiting here for the engine-wide lock, which a thread busy applying (and so importing) holds, would be a
+        # deadlock that Python's import system cannot detect; a lock per module serialises only this module's work.
+        with self.module_locks.setdefault(module.__name__, threading.RLock()):
             if not self.installed:
                 return
             line = speculators_line(installed_version("speculators"))
@@ -236,6 +238,11 @@ class _Engine:
             raise UnhandledDrift(plan.unhandled, where=where)
 
 
+def _initializing(module: ModuleType) -> bool:
+    """Whether the module body is still running (in another thread, or further up this thread's stack)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def _imported_names() -> dict[str, list[tuple[str, str]]]:
     """vLLM module -> (probe id, name) for every ``from vllm... import name`` a probe watches."""
     names: dict[str, list[tuple[str, str]]] = {}
@@ -254,6 +261,7 @@ def _fresh_lock_in_forked_child() -> None:
     thread held the engine lock at that moment, the child's copy would stay locked forever and the plugin's
     ``install()`` would deadlock there; the child gets a fresh lock over the state it inherited."""
     engine.lock = threading.RLock()
+    engine.module_locks = {}
 
 
 if hasattr(os, "register_at_fork"):
