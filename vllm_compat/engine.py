@@ -52,6 +52,7 @@ class _Engine:
         self.guard: Patch | None = None
         self.name_guards: dict[str, Patch] = {}
         self.module_locks: dict[str, threading.RLock] = {}  # one per hooked module: see _on_import
+        self.pass_through: dict[str, list[str]] = {}  # adapter id -> its wrappers left switched off by uninstall()
         self._view: Any = None
 
     # -- public API --------------------------------------------------------------------------
@@ -78,14 +79,20 @@ class _Engine:
     def uninstall(self) -> None:
         with self.lock:
             for adapter_id in reversed(list(self.applied)):
-                self.applied.pop(adapter_id).revert()
-                logger.info("vllm-compat reverted adapter %s", adapter_id)
+                adapter = self.applied[adapter_id]
+                adapter.revert()
+                if adapter.applied:
+                    continue  # stays listed: it could not be undone without undoing someone else's patch (logged)
+                del self.applied[adapter_id]
+                if adapter.pass_through:
+                    self.pass_through[adapter_id] = list(adapter.pass_through)
+                    logger.info("vllm-compat reverted adapter %s (its wrappers pass calls through)", adapter_id)
+                else:
+                    logger.info("vllm-compat reverted adapter %s", adapter_id)
             if self.guard is not None:
                 self.guard.revert()
                 self.guard = None
-            for guard in self.name_guards.values():
-                guard.revert()
-            self.name_guards.clear()
+            self.name_guards = {name: guard for name, guard in self.name_guards.items() if not guard.revert()}
             self.installed = False
             self.observations.clear()
             self._view = None
@@ -102,6 +109,8 @@ class _Engine:
                 "vllm_version": str(vllm) if vllm else None,
                 "speculators_version": str(spec) if spec else None,
                 "applied": {k: a.reason for k, a in self.applied.items()},
+                # reverted by uninstall(), but left in place as pass-throughs under wrappers applied after ours
+                "pass_through": {k: list(v) for k, v in self.pass_through.items()},
                 "hooks": sorted(self.hooked),
                 "guarded": self.guard is not None,
                 "plugin_loaded": plugin.loaded,
@@ -193,6 +202,7 @@ class _Engine:
             logger.debug("vllm-compat adapter %s found nothing to patch", cls.id)
             return
         self.applied[cls.id] = adapter
+        self.pass_through.pop(cls.id, None)  # its wrappers were switched on again, not stacked (patching.wrap)
         logger.info("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)
 
     def _finding(self, probe_id: str, line: str):
