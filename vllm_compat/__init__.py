@@ -34,6 +34,9 @@ def install(strict: bool = False) -> None:
     With ``strict=True`` the installed vLLM is probed at once and :class:`UnhandledDrift` is raised
     if any drift is not covered; otherwise that error is raised when the generator is constructed.
     """
+    from vllm_compat import log
+
+    log.configure()  # before anything is logged; prints nothing itself
     _engine_module.engine.install(strict=strict)
 
 
