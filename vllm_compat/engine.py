@@ -32,7 +32,7 @@ logger = logging.getLogger("vllm_compat")
 
 ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set by install(); inherited by vLLM workers, read by the plugin
 ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # "1": `import vllm_compat` installs nothing
-ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": install() raises at once on unhandled drift
+ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unhandled drift raises when the generator is imported
 GUARD_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 GUARD_PATH = "VllmHiddenStatesGenerator.__init__"
 
@@ -71,10 +71,16 @@ class _Engine:
                     hooks.register(target, self._on_import)  # fires now if imported
                 elif target in sys.modules and not _initializing(sys.modules[target]):  # else its hook fires soon
                     self._on_import(sys.modules[target])
-            if self.strict:
-                plan = self.live_plan()
-                if not plan.ok:
-                    raise UnhandledDrift(plan.unhandled, where="install(strict=True)")
+            if strict or (self.strict and "vllm" in sys.modules):
+                self._strict_check("install(strict=True)")
+            # VLLM_COMPAT_STRICT alone (`vllm-compat run --strict`, VLLM_COMPAT_AUTO) is checked when speculators'
+            # generator is imported (_on_import), still before a model loads: probing imports vLLM and torch,
+            # seconds that every Python interpreter would pay at start-up, and that those never using vLLM need not.
+
+    def _strict_check(self, where: str) -> None:
+        plan = self.live_plan()
+        if not plan.ok:
+            raise UnhandledDrift(plan.unhandled, where=where)
 
     def uninstall(self) -> None:
         with self.lock:
@@ -138,6 +144,8 @@ class _Engine:
         with self.module_locks.setdefault(module.__name__, threading.RLock()):
             if not self.installed:
                 return
+            if self.strict and module.__name__ == GUARD_MODULE:
+                self._strict_check("speculators' generator module finished importing (VLLM_COMPAT_STRICT=1)")
             line = speculators_line(installed_version("speculators"))
             if module.__name__ == GUARD_MODULE:
                 self._install_guard(module)

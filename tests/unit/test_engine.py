@@ -123,6 +123,23 @@ def test_unknown_drift_fails_closed_in_strict_mode(sandbox) -> None:
     assert "test.fake" in message and "vc_test_target.thing" in message and "vllm-compat probe" in message
 
 
+def test_strict_from_the_environment_probes_when_the_generator_is_imported(
+    sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_COMPAT_STRICT=1 (``vllm-compat run --strict``, VLLM_COMPAT_AUTO) probes when speculators' generator is
+    imported, not in install(): that runs at every interpreter's start-up, where probing imports vLLM and torch."""
+    engine, state = sandbox
+    state["variant"] = "something-new"
+    monkeypatch.setenv("VLLM_COMPAT_STRICT", "1")
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # a fresh interpreter: vLLM not imported yet
+    monkeypatch.setattr(engine_module, "GUARD_MODULE", TARGET)  # the throwaway module stands in for the generator
+    engine.install()
+    assert engine.status()["strict"] is True and engine.observations == {}, "probed at install()"
+    with pytest.raises(UnhandledDrift, match="generator module finished importing"):
+        import vc_test_target  # noqa: F401
+    assert APPLY_CALLS == []
+
+
 def test_guard_stops_the_generator_before_it_loads(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, state = sandbox
     state["variant"] = "something-new"
