@@ -1,10 +1,10 @@
 """The patch engine: post-import hooks, the adapter lifecycle and the fail-closed policy.
 
-``install()`` only registers post-import hooks (``vllm_compat.hooks``) and sets an environment variable that vLLM's
-worker processes inherit. Work happens when a target module is imported: the probes an adapter
-answers to are run against the live vLLM, and the adapter is applied only if they find the drift
-it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
-:class:`UnhandledDrift` before a model loads.
+``install()`` only registers post-import hooks (``vllm_compat.hooks``). Work happens when a target module is
+imported: the probes an adapter answers to are run against the live vLLM, and the adapter is applied only if they
+find the drift it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
+:class:`UnhandledDrift` before a model loads; while it runs, it sets the environment variable by which the vLLM
+worker processes it starts opt in to the plugin.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, UnhandledDrift
 from vllm_compat.findings import Observation, State
 from vllm_compat.models import ENV_FAMILIES, active_families, model_families
-from vllm_compat.patching import Patch, set_attr, wrap
+from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.versions import installed_version, speculators_line
 
@@ -30,7 +30,7 @@ __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
 
 logger = logging.getLogger("vllm_compat")
 
-ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set by install(); inherited by vLLM workers, read by the plugin
+ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set while the generator starts its workers; read there by the plugin
 ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # "1": `import vllm_compat` installs nothing
 ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unhandled drift raises when the generator is imported
 GUARD_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
@@ -59,7 +59,6 @@ class _Engine:
     def install(self, strict: bool = False) -> None:
         with self.lock:
             adapters = load_adapters()
-            os.environ[ENV_ACTIVE] = "1"
             already = self.installed
             self.installed = True
             self.strict = strict or _truthy(os.environ.get(ENV_STRICT))
@@ -102,8 +101,6 @@ class _Engine:
             self.installed = False
             self.observations.clear()
             self._view = None
-            os.environ.pop(ENV_ACTIVE, None)
-            os.environ.pop(ENV_FAMILIES, None)
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -232,12 +229,12 @@ class _Engine:
 
         def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             families = model_families(kwargs.get("model_path", args[0] if args else None))
-            if families:  # the workers judge (and adapt) this model's family only
-                os.environ[ENV_FAMILIES] = ",".join(families)
-            else:
-                os.environ.pop(ENV_FAMILIES, None)
-            self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
-            return wrapped(*args, **kwargs)
+            # The constructor starts vLLM's workers: they inherit the opt-in for the plugin and the model's families
+            # (they judge and adapt those only). Set for the call only, so no other child of this process gets them.
+            environ = {ENV_ACTIVE: "1", ENV_FAMILIES: ",".join(families) if families else None}
+            with scoped_environ(environ):
+                self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
+                return wrapped(*args, **kwargs)
 
         self.guard = wrap(module, GUARD_PATH, guarded_init, "drift guard")
 

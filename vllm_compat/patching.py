@@ -9,14 +9,17 @@ that very wrapper on again instead of stacking a second one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import wrapt
 
-__all__ = ["ItemPatch", "Patch", "set_attr", "set_item", "wrap"]
+__all__ = ["ItemPatch", "Patch", "scoped_environ", "set_attr", "set_item", "wrap"]
 
 logger = logging.getLogger("vllm_compat")
 _ABSENT = object()
@@ -185,3 +188,37 @@ def set_item(mapping: Any, key: str, value: Any, label: str) -> ItemPatch:
     original = mapping.get(key, _ABSENT)
     mapping[key] = value
     return ItemPatch(mapping, key, original, value, label)
+
+
+_environ_lock = threading.Lock()
+_environ_saved: dict[str, tuple[int, str | None]] = {}  # variable -> (calls inside, value before the first)
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set environment variables (None: unset) for the duration of a call, then put back what was there.
+
+    For what vLLM's worker processes must inherit from the generator's constructor, which starts them: set
+    process-wide, the variables would reach every later child too (a ``vllm serve`` the script starts). Nested or
+    concurrent scopes restore the original once the last one ends.
+    """
+    with _environ_lock:
+        for name, value in values.items():
+            depth, before = _environ_saved.get(name, (0, os.environ.get(name)))
+            _environ_saved[name] = (depth + 1, before)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    try:
+        yield
+    finally:
+        with _environ_lock:
+            for name in values:
+                depth, before = _environ_saved.pop(name)
+                if depth > 1:
+                    _environ_saved[name] = (depth - 1, before)
+                elif before is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = before

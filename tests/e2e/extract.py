@@ -17,6 +17,13 @@ import os
 import sys
 import time
 
+# set by vllm-compat for the processes the generator's constructor starts (its workers), and for no other child
+SCOPED_VARIABLES = ("VLLM_COMPAT_ACTIVE", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def scoped_variables() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in SCOPED_VARIABLES}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -30,6 +37,7 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     args = parser.parse_args()
 
+    env_at_start = scoped_variables()
     t0 = time.perf_counter()
     if not args.no_compat:
         import vllm_compat
@@ -38,6 +46,7 @@ def main() -> int:
 
     if args.dtype:
         _force_dtype(gen_module, args.dtype)
+    env_after_import = scoped_variables()
 
     layer_ids = [int(x) for x in args.layers.split(",")]
     with open(args.calls) as f:
@@ -60,6 +69,7 @@ def main() -> int:
         status = vllm_compat.status()
         workers = generator.executor.collective_rpc(_worker_report)
     generator.executor.shutdown()
+    env_after_shutdown = scoped_variables()
 
     import torch
 
@@ -75,6 +85,7 @@ def main() -> int:
             "status": status,
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
+            "env": {"start": env_at_start, "after_import": env_after_import, "after_shutdown": env_after_shutdown},
         },
         args.out,
     )
@@ -88,7 +99,7 @@ def _worker_report(worker) -> dict:
     inner = getattr(worker, "worker", None)  # some releases hand the callable the wrapper around the worker
     classes = [*type(worker).__mro__, *(type(inner).__mro__ if inner is not None else ())]
     extensions = sorted({f"{c.__module__}.{c.__qualname__}" for c in classes if "WorkerExtension" in c.__name__})
-    return {**vllm_compat.status(), "extensions": extensions}
+    return {**vllm_compat.status(), "extensions": extensions, "env": scoped_variables()}
 
 
 def _force_dtype(module, dtype: str) -> None:
