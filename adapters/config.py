@@ -11,6 +11,7 @@ from vllm_compat.adapters._kit import GENERATOR_MODULE, accepts, rewrite_kwargs
 
 from vllm_compat.adapter import Adapter
 from vllm_compat.errors import AdapterError
+from vllm_compat.patching import scoped_environ
 
 logger = logging.getLogger("vllm_compat")
 
@@ -95,8 +96,9 @@ class ForceV1ModelRunner(Adapter):
     0.25.0, every model in 0.29.0). V2 keeps the batch as a per-step local: there is no
     ``model_runner.input_batch`` with ``req_id_to_index``, which speculators 0.4.0.1 (and vllm-compat's
     per-request capture for 0.3.0) need to know which rows of a step belong to which request.
-    Where fixed: the environment (``VLLM_USE_V2_MODEL_RUNNER=0``), set before VllmConfig is built and
-    inherited by the spawned workers. If the user forced V2 explicitly, fail closed.
+    Where fixed: the environment (``VLLM_USE_V2_MODEL_RUNNER=0``), set while speculators' constructor runs: it builds
+    VllmConfig and the Scheduler (which read it) and starts the workers (which inherit it). Other children of the
+    process, started later (a ``vllm serve``, say), keep vLLM's default. If the user forced V2 explicitly, fail closed.
     """
 
     id = "model-runner-v1"
@@ -107,10 +109,19 @@ class ForceV1ModelRunner(Adapter):
     VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 
     def apply(self, module: ModuleType) -> None:
+        self.refuse_forced_v2()  # at import already, where it can: before anything is built
+
+        def init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            self.refuse_forced_v2()
+            with scoped_environ({self.VARIABLE: "0"}):
+                return wrapped(*args, **kwargs)
+
+        self.wrap(module, "VllmHiddenStatesGenerator.__init__", init)
+
+    def refuse_forced_v2(self) -> None:
         current = os.environ.get(self.VARIABLE)
         if current is not None and current.strip().lower() in {"1", "true"}:
             raise AdapterError(
                 f"{self.VARIABLE}={current} selects Model Runner V2, which has no input_batch; speculators' "
                 f"worker extension cannot map captured rows to requests there. Unset {self.VARIABLE} or set it to 0."
             )
-        self.set_env(self.VARIABLE, "0")

@@ -29,8 +29,9 @@ class GenerateChecks(Adapter):
     fails with ``AssertionError: collective_rpc should not be called on follower node``.
     Where fixed: around ``generate()``. The input is checked first (a ValueError or TypeError naming the sequence,
     position and value); valid input is passed on unchanged, including a sequence longer than ``max_model_len - 1``,
-    which speculators truncates. If the call fails anyway, the requests it added are aborted, so the next call starts
-    from a clean scheduler; if it failed because the executor is gone, a RuntimeError says so.
+    which speculators truncates, except that tuples of ids become lists, as vLLM's ``Request`` needs (a tuple
+    failed inside vLLM with AttributeError). If the call fails anyway, the requests it added are aborted, so the
+    next call starts from a clean scheduler; if it failed because the executor is gone, a RuntimeError says so.
     """
 
     id = "generate-checks"
@@ -44,6 +45,12 @@ class GenerateChecks(Adapter):
                 raise RuntimeError(f"{WHERE}: {GONE}")
             token_ids = kwargs["token_ids"] if "token_ids" in kwargs else args[0] if args else None
             check_token_ids(token_ids, vocab_size(instance))
+            as_lists = tuples_as_lists(token_ids)
+            if as_lists is not token_ids:  # vLLM's Request needs a list: tuples failed deep inside with AttributeError
+                if "token_ids" in kwargs:
+                    kwargs = {**kwargs, "token_ids": as_lists}
+                else:
+                    args = (as_lists, *args[1:])
             call = getattr(instance, "_request_counter", None)
             try:
                 return wrapped(*args, **kwargs)
@@ -74,12 +81,13 @@ class ConstructorChecks(Adapter):
     """Check the generator's arguments before any worker starts, and stop the workers if the constructor fails.
 
     What broke (a speculators defect, on every vLLM): duplicated ``layer_ids`` start the engine and then return one
-    tensor per distinct layer, not one per requested layer (a silently short result); a local ``model_path`` that
-    does not exist fails inside huggingface_hub with "Repo id must be in the form 'repo_name' or
+    tensor per distinct layer, not one per requested layer (a silently short result); an empty ``layer_ids`` or one
+    holding a non-integer (``[1.5]``) passes speculators' range check and fails only after the model loaded; a local
+    ``model_path`` that does not exist fails inside huggingface_hub with "Repo id must be in the form 'repo_name' or
     'namespace/repo_name'". And a constructor that fails after ``MultiprocExecutor`` started (KV-cache planning, say)
     leaves the workers running until the half-built generator is garbage-collected, which a caller holding the
     exception (and so its traceback) delays indefinitely.
-    Where fixed: around the constructor: duplicated layers and a missing local folder raise before anything loads;
+    Where fixed: around the constructor: bad layer ids and a missing local folder raise before anything loads;
     on any failure after the executor started, the executor is shut down before the error propagates.
     """
 
@@ -94,6 +102,11 @@ class ConstructorChecks(Adapter):
             layer_ids = kwargs.get("layer_ids", args[1] if len(args) > 1 else None)
             check_model_path(model_path)
             check_layer_ids(layer_ids)
+            if isinstance(layer_ids, tuple):  # accepted as a list is, and handed on as one
+                if "layer_ids" in kwargs:
+                    kwargs = {**kwargs, "layer_ids": list(layer_ids)}
+                else:
+                    args = (args[0], list(layer_ids), *args[2:])
             try:
                 return wrapped(*args, **kwargs)
             except BaseException as exc:
@@ -121,19 +134,30 @@ def check_model_path(model_path: Any) -> None:
 
 
 def check_layer_ids(layer_ids: Any) -> None:
-    """Duplicated layer ids would get one tensor per distinct layer back, not one per requested layer."""
+    """Layer ids must be a non-empty list (or tuple) of distinct ints; speculators checks their range itself.
+
+    An empty list or a float passed speculators' own check and failed only after the model loaded; duplicated ids
+    would get one tensor per distinct layer back, not one per requested layer.
+    """
     if layer_ids is None:
-        return
-    try:
-        ids = list(layer_ids)
-        seen: set[Any] = set()
-        twice = [i for i in ids if i in seen or seen.add(i)]
-    except TypeError:
-        return  # not a list of ints: speculators' own check reports it
+        return  # speculators picks its default layers
+    where = f"VllmHiddenStatesGenerator(layer_ids={layer_ids!r:.80})"
+    if not isinstance(layer_ids, list | tuple):
+        raise ValueError(f"{where}: layer_ids must be a list of ints (layer indices), not {type(layer_ids).__name__}")
+    if not layer_ids:
+        raise ValueError(f"{where}: no layer requested; pass at least one layer index, or None for the default layers")
+    for position, layer in enumerate(layer_ids):
+        if not _is_int(layer):
+            raise ValueError(
+                f"{where}: item {position} is {layer!r:.40} ({type(layer).__name__}), not a layer index; "
+                "layer ids must be ints"
+            )
+    seen: set[int] = set()
+    twice = [i for i in layer_ids if i in seen or seen.add(i)]
     if twice:
         raise ValueError(
-            f"VllmHiddenStatesGenerator(layer_ids={ids}): layer {twice[0]} is requested more than once; the "
-            "workers capture each layer once, so the result would hold fewer tensors than layer_ids. "
+            f"VllmHiddenStatesGenerator(layer_ids={list(layer_ids)}): layer {twice[0]} is requested more than once; "
+            "the workers capture each layer once, so the result would hold fewer tensors than layer_ids. "
             "Pass distinct layer ids."
         )
 
@@ -207,6 +231,15 @@ def check_token_ids(token_ids: Any, vocab: int | None) -> None:
                     "token ids must be ints"
                 )
         _check_range(i, seq, vocab)
+
+
+def tuples_as_lists(token_ids: Any) -> Any:
+    """The batch with tuple sequences (and a tuple batch) as lists; the very same object if there are none."""
+    if not isinstance(token_ids, list | tuple):
+        return token_ids
+    if isinstance(token_ids, list) and not any(isinstance(seq, tuple) for seq in token_ids):
+        return token_ids
+    return [list(seq) if isinstance(seq, tuple) else seq for seq in token_ids]
 
 
 def _check_range(i: int, seq: list[Any], vocab: int | None) -> None:

@@ -58,9 +58,9 @@ class AttentionMaskUtilsShim(Adapter):
         stand_in = ModuleType(ATTN_MASK_UTILS, "vllm-compat stand-in: removed in transformers 5")
         stand_in._prepare_4d_causal_attention_mask = _prepare_4d_causal_attention_mask  # type: ignore[attr-defined]
         self.set_module(ATTN_MASK_UTILS, stand_in)
-        import wrapt
+        from vllm_compat import hooks
 
-        wrapt.register_post_import_hook(self._withdraw, "speculators.models.eagle")
+        hooks.register("speculators.models.eagle", self._withdraw, once=True)
 
     def _withdraw(self, module: ModuleType) -> None:
         """Once its one user imported the function, take the stand-in away so no other library sees it."""

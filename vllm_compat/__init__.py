@@ -34,7 +34,12 @@ def install(strict: bool = False) -> None:
 
     With ``strict=True`` the installed vLLM is probed at once and :class:`UnhandledDrift` is raised
     if any drift is not covered; otherwise that error is raised when the generator is constructed.
+    ``VLLM_COMPAT_STRICT=1`` is strict too, but probes when speculators' generator is imported (or now, if vLLM
+    is imported already), so that an interpreter's start-up never pays for importing vLLM and torch.
     """
+    from vllm_compat import log
+
+    log.configure()  # before anything is logged; prints nothing itself
     _engine_module.engine.install(strict=strict)
 
 

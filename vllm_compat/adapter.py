@@ -56,6 +56,7 @@ class Adapter:
 
     def __init__(self) -> None:
         self._patches: list[Patch | ItemPatch] = []
+        self.pass_through: list[str] = []  # wrappers left switched off under someone else's (see revert)
         self.reason: str = ""
 
     # -- metadata helpers ------------------------------------------------------------------
@@ -79,8 +80,22 @@ class Adapter:
         raise NotImplementedError
 
     def revert(self) -> None:
+        """Undo the patches, last first. A wrapper that someone wrapped again since is switched to a pass-through
+        (listed in ``pass_through``). If another patch cannot be undone without undoing someone else's, the adapter
+        is left applied as a whole (``applied`` stays true, logged): half an adapter would be neither fix nor
+        original."""
+        stuck = [patch.label for patch in self._patches if isinstance(patch, Patch) and patch.is_stuck()]
+        if stuck:
+            logger.warning(
+                "vllm-compat: adapter %s stays applied: %s was wrapped again after vllm-compat patched it, and "
+                "undoing it would undo that wrapper too; remove the other wrapper first",
+                self.id,
+                ", ".join(stuck),
+            )
+            return
         for patch in reversed(self._patches):
-            patch.revert()
+            if not patch.revert() and isinstance(patch, Patch) and patch.pass_through:
+                self.pass_through.append(patch.label)
         self._patches.clear()
 
     def wrap(self, owner: Any, path: str, wrapper: Wrapper) -> None:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Runs COMMAND (e.g. `python data_generation_offline.py ...`) unchanged, with vllm-compat installed at "
             "start-up of every Python interpreter it starts, children included: a bootstrap sitecustomize is put "
-            "first on PYTHONPATH (an existing sitecustomize still runs). Exits with COMMAND's exit code "
-            "(126/127 if it cannot be started)."
+            "first on PYTHONPATH (an existing sitecustomize still runs). COMMAND replaces this process (exec), so "
+            "signals, process id and exit status are COMMAND's own (126/127 if it cannot be started)."
         ),
     )
     run.add_argument("--strict", action="store_true", help="stop at start-up (exit 1) on drift no adapter covers")
@@ -163,12 +160,16 @@ def _probe(args: argparse.Namespace) -> int:
 
 
 def run_environment(environ: dict[str, str] | None = None, strict: bool = False) -> dict[str, str]:
-    """The environment ``vllm-compat run`` gives its command: the bootstrap folder first on PYTHONPATH (once)."""
+    """The environment ``vllm-compat run`` gives its command: the bootstrap folder first on PYTHONPATH (once).
+
+    The other entries stay as they were, in order, empty ones included: Python reads an empty entry as the
+    current directory."""
     from vllm_compat.engine import ENV_STRICT
 
     env = dict(os.environ if environ is None else environ)
     folder = str(BOOTSTRAP)
-    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and os.path.abspath(e) != folder]
+    current = env.get("PYTHONPATH", "")
+    entries = [e for e in current.split(os.pathsep) if not e or os.path.abspath(e) != folder] if current else []
     env["PYTHONPATH"] = os.pathsep.join([folder, *entries])
     if strict:
         env[ENV_STRICT] = "1"
@@ -176,35 +177,34 @@ def run_environment(environ: dict[str, str] | None = None, strict: bool = False)
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Replace this process with the command (``exec``), in the environment ``run_environment`` makes.
+
+    The command then is the process its caller started: a terminal's Ctrl-C reaches it once (a wrapper in between
+    would pass on a second copy), killing that process kills the command (a wrapper killed outright would leave it
+    running), and its exit status, a signal included, is the caller's to see as if there were no wrapper. Returns
+    only when the command cannot be started (126/127, as shells report it).
+    """
     command = list(args.argv)
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
         print("vllm-compat run: no command given; usage: vllm-compat run -- python script.py ARGS...", file=sys.stderr)
         return EXIT_USAGE
+    env = run_environment(strict=args.strict)
+    sys.stdout.flush()
+    sys.stderr.flush()
     try:
-        child = subprocess.Popen(command, env=run_environment(strict=args.strict))
+        os.execvpe(command[0], command, env)
     except FileNotFoundError:
         print(f"vllm-compat run: command not found: {command[0]}", file=sys.stderr)
         return EXIT_NOT_FOUND
     except PermissionError:
         print(f"vllm-compat run: permission denied: {command[0]}", file=sys.stderr)
         return EXIT_NOT_EXECUTABLE
-
-    def forward(signum: int, _frame: object) -> None:
-        child.send_signal(signum)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-        for name in ("SIGTERM", "SIGINT", "SIGHUP"):
-            if hasattr(signal, name):
-                previous[getattr(signal, name)] = signal.signal(getattr(signal, name), forward)
-    try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as shells report it
+    except OSError as exc:  # e.g. not an executable format
+        print(f"vllm-compat run: cannot run {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_NOT_EXECUTABLE
+    return EXIT_NOT_EXECUTABLE  # pragma: no cover  (execvpe returns only by raising)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """The patch engine: post-import hooks, the adapter lifecycle and the fail-closed policy.
 
-``install()`` only registers wrapt post-import hooks (and sets an environment variable that vLLM's
-worker processes inherit). Work happens when a target module is imported: the probes an adapter
-answers to are run against the live vLLM, and the adapter is applied only if they find the drift
-it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
-:class:`UnhandledDrift` before a model loads.
+``install()`` only registers post-import hooks (``vllm_compat.hooks``). Work happens when a target module is
+imported: the probes an adapter answers to are run against the live vLLM, and the adapter is applied only if they
+find the drift it covers. The generator's constructor is guarded: if any drift is left unhandled it raises
+:class:`UnhandledDrift` before a model loads; while it runs, it sets the environment variable by which the vLLM
+worker processes it starts opt in to the plugin.
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-import wrapt
-
-from vllm_compat import plugin
+from vllm_compat import hooks, plugin
 from vllm_compat.adapter import Adapter, load_adapters
 from vllm_compat.errors import AdapterError, SpeculatorsLineUnknown, UnhandledDrift
 from vllm_compat.findings import Observation, State
 from vllm_compat.lines import judge_line
 from vllm_compat.models import ENV_FAMILIES, active_families, model_families
-from vllm_compat.patching import Patch, set_attr, wrap
+from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.versions import installed_version
 
@@ -33,9 +31,9 @@ __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
 
 logger = logging.getLogger("vllm_compat")
 
-ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set by install(); inherited by vLLM workers, read by the plugin
+ENV_ACTIVE = "VLLM_COMPAT_ACTIVE"  # set while the generator starts its workers; read there by the plugin
 ENV_DISABLE = "VLLM_COMPAT_DISABLE"  # "1": `import vllm_compat` installs nothing
-ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": install() raises at once on unhandled drift
+ENV_STRICT = "VLLM_COMPAT_STRICT"  # "1": unhandled drift raises when the generator is imported
 GUARD_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 GUARD_PATH = "VllmHiddenStatesGenerator.__init__"
 
@@ -54,6 +52,8 @@ class _Engine:
         self.observations: dict[str, Observation] = {}
         self.guard: Patch | None = None
         self.name_guards: dict[str, Patch] = {}
+        self.module_locks: dict[str, threading.RLock] = {}  # one per hooked module: see _on_import
+        self.pass_through: dict[str, list[str]] = {}  # adapter id -> its wrappers left switched off by uninstall()
         self._view: Any = None
         self.summarised = False  # the guard's one summary line per process
 
@@ -61,7 +61,6 @@ class _Engine:
     def install(self, strict: bool = False) -> None:
         with self.lock:
             adapters = load_adapters()
-            os.environ[ENV_ACTIVE] = "1"
             already = self.installed
             self.installed = True
             self.strict = strict or _truthy(os.environ.get(ENV_STRICT))
@@ -70,30 +69,40 @@ class _Engine:
             for target in sorted({a.target for a in adapters.values()} | {GUARD_MODULE} | set(_imported_names())):
                 if target not in self.hooked:
                     self.hooked.add(target)
-                    wrapt.register_post_import_hook(self._on_import, target)  # fires now if imported
-                elif target in sys.modules:
+                    hooks.register(target, self._on_import)  # fires now if imported
+                elif target in sys.modules and not _initializing(sys.modules[target]):  # else its hook fires soon
                     self._on_import(sys.modules[target])
-            if self.strict:
-                plan = self.live_plan()
-                if not plan.ok:
-                    raise UnhandledDrift(plan.unhandled, where="install(strict=True)")
+            if strict or (self.strict and "vllm" in sys.modules):
+                self._strict_check("install(strict=True)")
+            # VLLM_COMPAT_STRICT alone (`vllm-compat run --strict`, VLLM_COMPAT_AUTO) is checked when speculators'
+            # generator is imported (_on_import), still before a model loads: probing imports vLLM and torch,
+            # seconds that every Python interpreter would pay at start-up, and that those never using vLLM need not.
+
+    def _strict_check(self, where: str) -> None:
+        plan = self.live_plan()
+        if not plan.ok:
+            raise UnhandledDrift(plan.unhandled, where=where)
 
     def uninstall(self) -> None:
         with self.lock:
             for adapter_id in reversed(list(self.applied)):
-                self.applied.pop(adapter_id).revert()
-                logger.info("vllm-compat reverted adapter %s", adapter_id)
+                adapter = self.applied[adapter_id]
+                adapter.revert()
+                if adapter.applied:
+                    continue  # stays listed: it could not be undone without undoing someone else's patch (logged)
+                del self.applied[adapter_id]
+                if adapter.pass_through:
+                    self.pass_through[adapter_id] = list(adapter.pass_through)
+                    logger.info("vllm-compat reverted adapter %s (its wrappers pass calls through)", adapter_id)
+                else:
+                    logger.info("vllm-compat reverted adapter %s", adapter_id)
             if self.guard is not None:
                 self.guard.revert()
                 self.guard = None
-            for guard in self.name_guards.values():
-                guard.revert()
-            self.name_guards.clear()
+            self.name_guards = {name: guard for name, guard in self.name_guards.items() if not guard.revert()}
             self.installed = False
             self.observations.clear()
             self._view = None
-            os.environ.pop(ENV_ACTIVE, None)
-            os.environ.pop(ENV_FAMILIES, None)
 
     def status(self) -> dict[str, Any]:
         with self.lock:
@@ -108,6 +117,8 @@ class _Engine:
                 "speculators_line": verdict.line,
                 "speculators_line_judged": verdict.how,  # code | metadata | absent | unknown (lines.LineVerdict)
                 "applied": {k: a.reason for k, a in self.applied.items()},
+                # reverted by uninstall(), but left in place as pass-throughs under wrappers applied after ours
+                "pass_through": {k: list(v) for k, v in self.pass_through.items()},
                 "hooks": sorted(self.hooked),
                 "guarded": self.guard is not None,
                 "plugin_loaded": plugin.loaded,
@@ -129,9 +140,14 @@ class _Engine:
 
     # -- hooks -------------------------------------------------------------------------------
     def _on_import(self, module: ModuleType) -> None:
-        with self.lock:
+        # A hook runs while its thread holds the module's import lock, and applying adapters imports other modules.
+        # Waiting here for the engine-wide lock, which a thread busy applying (and so importing) holds, would be a
+        # deadlock that Python's import system cannot detect; a lock per module serialises only this module's work.
+        with self.module_locks.setdefault(module.__name__, threading.RLock()):
             if not self.installed:
                 return
+            if self.strict and module.__name__ == GUARD_MODULE:
+                self._strict_check("speculators' generator module finished importing (VLLM_COMPAT_STRICT=1)")
             verdict = judge_line()  # from the code being imported, not only the metadata (lines.py)
             line = verdict.line
             if module.__name__ == GUARD_MODULE:
@@ -207,6 +223,7 @@ class _Engine:
             logger.debug("vllm-compat adapter %s found nothing to patch", cls.id)
             return
         self.applied[cls.id] = adapter
+        self.pass_through.pop(cls.id, None)  # its wrappers were switched on again, not stacked (patching.wrap)
         logger.info("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)
 
     def _finding(self, probe_id: str, line: str):
@@ -228,12 +245,12 @@ class _Engine:
 
         def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
             families = model_families(kwargs.get("model_path", args[0] if args else None))
-            if families:  # the workers judge (and adapt) this model's family only
-                os.environ[ENV_FAMILIES] = ",".join(families)
-            else:
-                os.environ.pop(ENV_FAMILIES, None)
-            self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
-            return wrapped(*args, **kwargs)
+            # The constructor starts vLLM's workers: they inherit the opt-in for the plugin and the model's families
+            # (they judge and adapt those only). Set for the call only, so no other child of this process gets them.
+            environ = {ENV_ACTIVE: "1", ENV_FAMILIES: ",".join(families) if families else None}
+            with scoped_environ(environ):
+                self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
+                return wrapped(*args, **kwargs)
 
         self.guard = wrap(module, GUARD_PATH, guarded_init, "drift guard")
 
@@ -269,6 +286,11 @@ class _Engine:
         )
 
 
+def _initializing(module: ModuleType) -> bool:
+    """Whether the module body is still running (in another thread, or further up this thread's stack)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def _imported_names() -> dict[str, list[tuple[str, str]]]:
     """vLLM module -> (probe id, name) for every ``from vllm... import name`` a probe watches."""
     names: dict[str, list[tuple[str, str]]] = {}
@@ -287,6 +309,7 @@ def _fresh_lock_in_forked_child() -> None:
     thread held the engine lock at that moment, the child's copy would stay locked forever and the plugin's
     ``install()`` would deadlock there; the child gets a fresh lock over the state it inherited."""
     engine.lock = threading.RLock()
+    engine.module_locks = {}
 
 
 if hasattr(os, "register_at_fork"):

@@ -2,8 +2,9 @@
 
 vLLM calls ``load_general_plugins()`` in every worker before it resolves
 ``worker_extension_cls`` (every release from 0.11.0 to 0.33.0). The plugin acts only when the
-parent process opted in (``install()`` sets ``VLLM_COMPAT_ACTIVE=1`` and children inherit the
-environment), so merely having vllm-compat installed changes nothing for other vLLM users.
+parent process opted in: the generator's constructor, guarded by vllm-compat, sets ``VLLM_COMPAT_ACTIVE=1``
+while it starts the workers, which inherit it. Merely having vllm-compat installed (or imported) changes nothing
+for other vLLM users, nor for other vLLM processes the same script starts.
 """
 
 from __future__ import annotations

@@ -21,6 +21,13 @@ import os
 import sys
 import time
 
+# set by vllm-compat for the processes the generator's constructor starts (its workers), and for no other child
+SCOPED_VARIABLES = ("VLLM_COMPAT_ACTIVE", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def scoped_variables() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in SCOPED_VARIABLES}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
@@ -38,6 +45,7 @@ def main() -> int:
         logging.basicConfig(level=args.log_level, format="%(asctime)s - %(name)s - %(levelname)s - %(message)s")
     compat_log = _keep_compat_log()
 
+    env_at_start = scoped_variables()
     t0 = time.perf_counter()
     if not args.no_compat:
         import vllm_compat
@@ -46,6 +54,7 @@ def main() -> int:
 
     if args.dtype:
         _force_dtype(gen_module, args.dtype)
+    env_after_import = scoped_variables()
 
     layer_ids = [int(x) for x in args.layers.split(",")]
     with open(args.calls) as f:
@@ -68,6 +77,7 @@ def main() -> int:
         status = vllm_compat.status()
         workers = generator.executor.collective_rpc(_worker_report)
     generator.executor.shutdown()
+    env_after_shutdown = scoped_variables()
 
     import torch
 
@@ -84,6 +94,7 @@ def main() -> int:
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
             "compat_log": compat_log,
+            "env": {"start": env_at_start, "after_import": env_after_import, "after_shutdown": env_after_shutdown},
         },
         args.out,
     )
@@ -112,7 +123,7 @@ def _worker_report(worker) -> dict:
     inner = getattr(worker, "worker", None)  # some releases hand the callable the wrapper around the worker
     classes = [*type(worker).__mro__, *(type(inner).__mro__ if inner is not None else ())]
     extensions = sorted({f"{c.__module__}.{c.__qualname__}" for c in classes if "WorkerExtension" in c.__name__})
-    return {**vllm_compat.status(), "extensions": extensions}
+    return {**vllm_compat.status(), "extensions": extensions, "env": scoped_variables()}
 
 
 def _force_dtype(module, dtype: str) -> None:

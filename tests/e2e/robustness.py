@@ -146,6 +146,7 @@ def scenario_inputs(gen_module: Any) -> None:
         ("rank1_tensor", lambda: generator.generate(torch.tensor([5, 6, 7]))),
         ("rank3_tensor", lambda: generator.generate(torch.ones((1, 2, 3), dtype=torch.long))),
         ("flat_list", lambda: generator.generate([5, 6, 7])),
+        ("tuples", lambda: generator.generate(((5, 6, 7), (8, 9)))),  # valid: taken as lists are
         # more sequences than the scheduler's max_num_seqs (speculators sets 32): valid input
         ("more_sequences_than_max_num_seqs", lambda: generator.generate([[4 + i, 5, 6] for i in range(40)])),
     ]
@@ -200,6 +201,8 @@ def scenario_constructor(gen_module: Any) -> None:
         ("layer_out_of_range", {"layer_ids": [0, 7]}, {}),
         ("layer_negative", {"layer_ids": [-1, 2]}, {}),
         ("layer_duplicated", {"layer_ids": [2, 2]}, {}),
+        ("layer_ids_empty", {"layer_ids": []}, {}),
+        ("layer_id_not_an_int", {"layer_ids": [1.5]}, {}),
         ("model_path_missing", {"model_path": "/nonexistent/vllm-compat-test/model"}, {}),
         # the executor is running when KV-cache planning finds no room (a budget of 0 bytes on vLLM's CPU platform)
         ("kv_cache_too_small", {}, {"VLLM_CPU_KVCACHE_SPACE": "0"}),

@@ -108,6 +108,14 @@ def test_bad_input_gives_a_clear_error_and_the_engine_stays_usable(run, name: st
     assert_still_usable(found)
 
 
+def test_tuples_are_taken_as_lists(run) -> None:
+    """A tuple of tuples passed the check, then failed inside vLLM's Request with AttributeError."""
+    found = procs.case(run, "tuples")
+    assert found["outcome"] == "ok", found.get("message")
+    assert [r["input_len"] for r in found["result"]] == [3, 2]
+    assert_still_usable(found)
+
+
 def test_a_sequence_longer_than_max_model_len_is_truncated(run) -> None:
     """speculators' own behaviour, kept: each sequence is cut to max_model_len - 1 tokens (one is left for the
     sampled token vLLM insists on), and the states cover exactly the kept tokens."""

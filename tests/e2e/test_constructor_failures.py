@@ -28,6 +28,15 @@ ERRORS = {
         "VllmHiddenStatesGenerator(layer_ids=[2, 2]): layer 2 is requested more than once; the workers capture each "
         "layer once, so the result would hold fewer tensors than layer_ids. Pass distinct layer ids.",
     ),
+    "layer_ids_empty": (
+        "builtins.ValueError",
+        "VllmHiddenStatesGenerator(layer_ids=[]): no layer requested; pass at least one layer index, or None for the "
+        "default layers",
+    ),
+    "layer_id_not_an_int": (
+        "builtins.ValueError",
+        "VllmHiddenStatesGenerator(layer_ids=[1.5]): item 0 is 1.5 (float), not a layer index; layer ids must be ints",
+    ),
     "model_path_missing": (
         "builtins.FileNotFoundError",
         "VllmHiddenStatesGenerator(model_path='/nonexistent/vllm-compat-test/model'): no such file or folder. Pass "

@@ -42,6 +42,19 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
         assert worker["pid"] != run.data["status"]["pid"]
         assert worker["plugin_loaded"] and worker["installed"]
         assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"], worker
+    assert_variables_reach_the_workers_only(run.data)
+
+
+def assert_variables_reach_the_workers_only(data: dict) -> None:
+    """VLLM_COMPAT_ACTIVE and model-runner-v1's VLLM_USE_V2_MODEL_RUNNER=0 are set while the generator starts its
+    workers: the workers have them, and the script's environment is as it was after the import and the shutdown
+    (an unrelated child it starts, such as `vllm serve`, inherits neither)."""
+    env = data["env"]
+    assert env["after_import"] == env["start"] and env["after_shutdown"] == env["start"], env
+    v1 = "model-runner-v1" in data["status"]["applied"]
+    for worker in data["workers"]:
+        assert worker["env"]["VLLM_COMPAT_ACTIVE"] == "1", worker["env"]
+        assert worker["env"]["VLLM_USE_V2_MODEL_RUNNER"] == ("0" if v1 else env["start"]["VLLM_USE_V2_MODEL_RUNNER"])
 
 
 def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:
@@ -55,6 +68,7 @@ def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_pat
     diff = max_diff(run.data["outputs"], calls[:2], reference)
     _record("fallback_max_abs_diff", diff)
     assert diff < TOLERANCE
+    assert_variables_reach_the_workers_only(run.data)
 
 
 def test_without_vllm_compat_it_breaks(tiny_model, calls, reference, tmp_path) -> None:

@@ -107,14 +107,73 @@ def test_a_long_sequence_is_left_to_speculators() -> None:
 
 
 @pytest.mark.parametrize(
-    ("layer_ids", "ok"), [(None, True), ([0, 2, 3], True), ([2, 2], False), ([0, 3, 0], False), ([[1], [1]], True)]
+    ("layer_ids", "error"),
+    [
+        (None, None),
+        ([0, 2, 3], None),
+        ((0, 2), None),
+        ([2, 2], r"layer 2 is requested more than once.*Pass distinct layer ids"),
+        ([0, 3, 0], r"layer 0 is requested more than once"),
+        ([], r"layer_ids=\[\]\): no layer requested; pass at least one layer index, or None for the default layers"),
+        ([1.5], r"layer_ids=\[1.5\]\): item 0 is 1.5 \(float\), not a layer index; layer ids must be ints"),
+        ([0, True], r"item 1 is True \(bool\), not a layer index"),
+        ([[1], [1]], r"item 0 is \[1\] \(list\), not a layer index"),
+        ("12", r"layer_ids must be a list of ints \(layer indices\), not str"),
+        (3, r"layer_ids must be a list of ints \(layer indices\), not int"),
+    ],
 )
-def test_layer_ids(layer_ids, ok) -> None:
-    if ok:
-        inputs.check_layer_ids(layer_ids)  # (unhashable ids are left to speculators' own check)
+def test_layer_ids(layer_ids, error) -> None:
+    """Checked before anything loads; speculators checks the range against the model itself."""
+    if error is None:
+        inputs.check_layer_ids(layer_ids)
     else:
-        with pytest.raises(ValueError, match=r"is requested more than once.*Pass distinct layer ids"):
+        with pytest.raises(ValueError, match=error):
             inputs.check_layer_ids(layer_ids)
+
+
+class StandInGenerator:
+    """speculators' generator as far as the input checks see it: its constructor takes the layer ids and its
+    generate() hands each sequence to vLLM's Request, which needs a list (tuples failed with AttributeError)."""
+
+    def __init__(self, model_path: str, layer_ids=None, max_model_len: int = 2048) -> None:
+        self.layer_ids = layer_ids
+        self.started = True  # stands for the model load and the workers
+
+    def generate(self, token_ids):
+        return [list(ids).copy() if isinstance(ids, list) else ids.copy() for ids in token_ids]
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch):
+    from vllm_compat.adapters.inputs import ConstructorChecks, GenerateChecks
+
+    module = types.ModuleType("stand_in_generator")
+    monkeypatch.setattr(module, "VllmHiddenStatesGenerator", type("G", (StandInGenerator,), {}), raising=False)
+    adapters = [GenerateChecks(), ConstructorChecks()]
+    for adapter in adapters:
+        adapter.apply(module)
+    yield module.VllmHiddenStatesGenerator
+    for adapter in adapters:
+        adapter.revert()
+
+
+@pytest.mark.parametrize("layer_ids", [[], [1.5]])
+def test_bad_layer_ids_stop_the_stand_in_before_it_starts(stand_in, layer_ids) -> None:
+    with pytest.raises(ValueError, match="layer_ids="):
+        stand_in("/", layer_ids=layer_ids)
+    with pytest.raises(ValueError, match="layer_ids="):
+        stand_in("/", layer_ids)  # positional, as speculators' signature allows
+
+
+def test_tuples_are_taken_as_lists_are(stand_in) -> None:
+    generator = stand_in("/", layer_ids=(0, 2))
+    assert generator.layer_ids == [0, 2]
+    assert stand_in("/", (1, 3)).layer_ids == [1, 3]
+    assert generator.generate(((5, 6), (7,))) == [[5, 6], [7]]
+    assert generator.generate(token_ids=[[5, 6], (7,)]) == [[5, 6], [7]]
+    batch = [[5, 6], [7]]
+    assert generator.generate(batch) == batch
+    assert inputs.tuples_as_lists(batch) is batch  # lists are passed on as they are, not copied
 
 
 def test_model_path(tmp_path) -> None:

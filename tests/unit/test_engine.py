@@ -126,6 +126,23 @@ def test_unknown_drift_fails_closed_in_strict_mode(sandbox) -> None:
     assert "test.fake" in message and "vc_test_target.thing" in message and "vllm-compat probe" in message
 
 
+def test_strict_from_the_environment_probes_when_the_generator_is_imported(
+    sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_COMPAT_STRICT=1 (``vllm-compat run --strict``, VLLM_COMPAT_AUTO) probes when speculators' generator is
+    imported, not in install(): that runs at every interpreter's start-up, where probing imports vLLM and torch."""
+    engine, state = sandbox
+    state["variant"] = "something-new"
+    monkeypatch.setenv("VLLM_COMPAT_STRICT", "1")
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # a fresh interpreter: vLLM not imported yet
+    monkeypatch.setattr(engine_module, "GUARD_MODULE", TARGET)  # the throwaway module stands in for the generator
+    engine.install()
+    assert engine.status()["strict"] is True and engine.observations == {}, "probed at install()"
+    with pytest.raises(UnhandledDrift, match="generator module finished importing"):
+        import vc_test_target  # noqa: F401
+    assert APPLY_CALLS == []
+
+
 def test_guard_stops_the_generator_before_it_loads(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, state = sandbox
     state["variant"] = "something-new"
@@ -179,14 +196,55 @@ def test_plugin_is_a_no_op_unless_the_parent_opted_in(sandbox, monkeypatch: pyte
     assert engine.status()["plugin_loaded"] is True
 
 
-def test_install_sets_the_variable_workers_inherit(sandbox) -> None:
-    engine, _ = sandbox
-    engine.install()
+def test_the_variables_workers_inherit_are_set_only_while_the_generator_starts(
+    sandbox, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """VLLM_COMPAT_ACTIVE (the plugin's opt-in) and model-runner-v1's VLLM_USE_V2_MODEL_RUNNER=0 reach the processes
+    the generator's constructor starts (its vLLM workers), and no other child of the process (a `vllm serve` the
+    script starts later): they are set while the constructor runs, not on import or install()."""
     import os
+    import subprocess
 
-    assert os.environ["VLLM_COMPAT_ACTIVE"] == "1"
-    engine.uninstall()
-    assert "VLLM_COMPAT_ACTIVE" not in os.environ
+    from vllm_compat.adapters.config import ForceV1ModelRunner
+
+    engine, _ = sandbox
+    variables = ("VLLM_COMPAT_ACTIVE", "VLLM_USE_V2_MODEL_RUNNER")
+    for name in variables:
+        monkeypatch.delenv(name, raising=False)
+    adapter_module._REGISTRY["model-runner-v1"] = ForceV1ModelRunner
+
+    @probe(
+        "config.model_runner_default",
+        symbol="vllm.config.VllmConfig.use_v2_model_runner",
+        summary="x",
+        expected={"0.4.0.1": "V1"},
+    )
+    def model_runner_default(view) -> Observation:
+        return Observation("v2_default", "V2 by default")
+
+    child = f"import os; print([os.environ.get(n) for n in {variables!r}])"
+    seen: list[str] = []
+
+    class VllmHiddenStatesGenerator:
+        def __init__(self, model_path: str, fail: bool = False) -> None:
+            # as vLLM starts its workers: a child process inherits this process's environment now
+            seen.append(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+            if fail:
+                raise RuntimeError("KV-cache planning failed")
+
+    fake = types.ModuleType(engine_module.GUARD_MODULE)
+    fake.VllmHiddenStatesGenerator = VllmHiddenStatesGenerator
+    monkeypatch.setitem(sys.modules, engine_module.GUARD_MODULE, fake)  # imported: install() applies at once
+    engine.install()
+    assert "model-runner-v1" in engine.status()["applied"] and engine.status()["guarded"]
+    assert [os.environ.get(n) for n in variables] == [None, None], "set process-wide on import/install()"
+    model = tmp_path / "model"  # a local folder: no hub lookup for its architectures
+    model.mkdir()
+    fake.VllmHiddenStatesGenerator(str(model))
+    with pytest.raises(RuntimeError):
+        fake.VllmHiddenStatesGenerator(str(model), fail=True)
+    assert seen == ["['1', '0']", "['1', '0']"]
+    assert [os.environ.get(n) for n in variables] == [None, None], "left set after the constructor"
 
 
 def test_a_removed_name_fails_closed_at_import(sandbox) -> None:

@@ -233,8 +233,11 @@ def guarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     built: list[str] = []
 
     class VllmHiddenStatesGenerator:
+        families_seen: list[str | None] = []  # what the workers it would start inherit
+
         def __init__(self, model_path: str, layer_ids=None) -> None:
             built.append(model_path)
+            self.families_seen.append(os.environ.get(ENV_FAMILIES))
 
     fake = types.ModuleType(engine_module.GUARD_MODULE)
     fake.VllmHiddenStatesGenerator = VllmHiddenStatesGenerator
@@ -258,7 +261,7 @@ def test_guard_stops_a_model_whose_family_drifted(guarded) -> None:
         generator(kimi)
     assert "model.t_llama" not in str(caught.value)
     assert built == []
-    assert os.environ[ENV_FAMILIES] == "kimi_k25"  # what the workers will judge
+    assert ENV_FAMILIES not in os.environ  # set only while the constructor runs
 
 
 def test_guard_lets_other_families_through(guarded) -> None:
@@ -267,6 +270,8 @@ def test_guard_lets_other_families_through(guarded) -> None:
     generator(llama)
     generator(model_path=model("MistralForCausalLM"))  # no family of its own: judged as the default (Llama)
     assert built == [llama, built[1]]
+    assert generator.families_seen == ["llama", None]  # what the workers judge; unset again afterwards
+    assert ENV_FAMILIES not in os.environ
 
 
 def test_workers_judge_only_the_loaded_family(guarded, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,8 +8,10 @@ imports this module during start-up (``site`` imports ``sitecustomize``). It the
    environment's own start-up customisation keeps working; an error in it is reported, as Python reports it,
    and start-up goes on;
 2. imports ``vllm_compat``, which registers its post-import hooks (unless ``VLLM_COMPAT_DISABLE=1``). In strict mode
-   (``vllm-compat run --strict`` sets ``VLLM_COMPAT_STRICT=1``) drift that no adapter covers stops the process at
-   once with exit code 1 and the report: fail closed, before the program runs.
+   (``vllm-compat run --strict`` sets ``VLLM_COMPAT_STRICT=1``) drift that no adapter covers raises
+   ``UnhandledDrift`` when the program imports speculators' generator, before any model loads; start-up itself
+   imports neither vLLM nor torch. Should ``import vllm_compat`` raise it here, the process stops with exit code 1
+   and the report.
 
 Recursion guard: while the other ``sitecustomize`` is imported, this folder is taken off ``sys.path`` (every
 occurrence) and a flag on ``sys`` stops a re-entry; both are restored afterwards. A failure never stops the
