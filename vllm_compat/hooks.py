@@ -12,6 +12,7 @@ Every patch the hooks apply still goes through wrapt.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -117,3 +118,13 @@ def _install_finder() -> None:
         _finder = _Finder()
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
+
+
+def _fresh_lock_in_forked_child() -> None:
+    """A child forked while another thread held the lock would keep it locked forever (as the engine's lock)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_forked_child)

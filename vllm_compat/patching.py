@@ -222,3 +222,13 @@ def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = before
+
+
+def _fresh_lock_in_forked_child() -> None:
+    """A child forked while another thread held the lock would keep it locked forever (as the engine's lock)."""
+    global _environ_lock
+    _environ_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_lock_in_forked_child)
