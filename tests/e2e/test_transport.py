@@ -117,6 +117,14 @@ def ours() -> set[str]:
     return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(transport.PREFIX)}
 
 
+def wait_for_files(before: set[str], count: int, timeout: float = 30.0) -> set[str]:
+    """The states files made since ``before``, once there are ``count`` of them (a spare is made by a thread)."""
+    deadline = time.monotonic() + timeout
+    while len(ours() - before) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return ours() - before
+
+
 def mapped_states_files() -> int:
     """How many mappings of states files this process has (the files are unlinked: '(deleted)')."""
     with open("/proc/self/maps") as f:
@@ -327,8 +335,7 @@ def test_files_of_live_owners_are_never_removed_across_pid_namespaces(tmp_path: 
     try:
         assert other.pid == 1, "the stand-in worker runs as pid 1 of its own namespace"
         out = other.send(1, 50)  # its reply is not taken yet; its spare is being made
-        time.sleep(0.5)
-        theirs = ours() - before
+        theirs = wait_for_files(before, 2)
         assert len(theirs) == 2, theirs
         assert transport.remove_dead_files() == 0
         assert ours() - before == theirs, "a live job's files stay"
@@ -347,8 +354,7 @@ def test_a_killed_workers_files_are_removed_by_whoever_notices(tmp_path: Path) -
     before = ours()
     w = Worker(tmp_path)
     out = w.send(1, 50)  # handed over (not yet taken) and a spare in the making
-    time.sleep(0.5)
-    assert len(ours() - before) == 2
+    assert len(wait_for_files(before, 2)) == 2
     os.kill(w.pid, signal.SIGKILL)
     w.proc.wait(30)
     reply = pickle.loads(out.read_bytes())  # the last reply was whole: still taken; the dead worker's spare goes
