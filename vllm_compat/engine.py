@@ -224,7 +224,7 @@ class _Engine:
             return
         self.applied[cls.id] = adapter
         self.pass_through.pop(cls.id, None)  # its wrappers were switched on again, not stacked (patching.wrap)
-        logger.info("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)
+        logger.debug("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)  # the guard's summary says it once
 
     def _finding(self, probe_id: str, line: str):
         probe = load_probes().get(probe_id)
