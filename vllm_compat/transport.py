@@ -28,7 +28,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -90,7 +89,7 @@ class _Libc:
     long as the mapping lives (one per returned tensor would exhaust the process's descriptors)."""
 
     def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them: no library search
         self.mmap = libc.mmap
         self.mmap.restype = ctypes.c_void_p
         self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
