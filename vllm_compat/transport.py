@@ -107,8 +107,13 @@ class _Maps:
 
     def __init__(self) -> None:
         self.live = 0
-        self.limit = _max_map_count() // 2  # leave the other half to everything else in the process
+        self.limit: int | None = None  # read on first use, not when vllm_compat is imported
         self.warned = False
+
+    def full(self) -> bool:
+        if self.limit is None:
+            self.limit = _max_map_count() // 2  # leave the other half to everything else in the process
+        return self.live >= self.limit
 
 
 def _max_map_count() -> int:
@@ -274,8 +279,9 @@ def _own_copy(tensor: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         plain = tensor.as_subclass(torch.Tensor)
         found = _SOURCES.find(plain.data_ptr()) if plain.numel() else None
-        if found is None or not plain.is_contiguous() or plain._version != 0 or _MAPS.live >= _MAPS.limit:
-            if found is not None and _MAPS.live >= _MAPS.limit and not _MAPS.warned:
+        full = _MAPS.full()
+        if found is None or not plain.is_contiguous() or plain._version != 0 or full:
+            if found is not None and full and not _MAPS.warned:
                 _MAPS.warned = True
                 logger.warning(
                     "states-through-shared-memory: %d returned state tensors are alive in this process; further "
