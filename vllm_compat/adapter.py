@@ -33,6 +33,8 @@ class Adapter:
       always:      non-empty for an adapter that no vLLM finding calls for: a speculators defect or a
                    run-time condition (such as vLLM's CPU platform) that the adapter checks itself.
                    The text says why; the report shows it.
+      order:       adapters of one target are applied in ascending order (then in registry order); a wrapper
+                   applied later sits outside those applied before it.
     The class docstring says what broke, why it is fixed at this place, and upstream references.
     """
 
@@ -44,6 +46,7 @@ class Adapter:
     first_vllm: ClassVar[str] = ""
     remove_when: ClassVar[str] = "speculators no longer uses the in-process generator (>= 0.5)"
     always: ClassVar[str] = ""
+    order: ClassVar[int] = 0
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -157,7 +157,7 @@ class _Engine:
                 return
             if line is None:
                 return  # nothing to adapt: speculators absent or a release we do not serve
-            for cls in load_adapters().values():
+            for cls in sorted(load_adapters().values(), key=lambda c: c.order):
                 if cls.target == module.__name__ and cls.id not in self.applied:
                     self._maybe_apply(cls, module, line)
             self._guard_missing_names(module, line)
@@ -244,10 +244,16 @@ class _Engine:
             return
 
         def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            from vllm_compat import transport  # imported here: `import vllm_compat` stays light
+
             families = model_families(kwargs.get("model_path", args[0] if args else None))
             # The constructor starts vLLM's workers: they inherit the opt-in for the plugin and the model's families
             # (they judge and adapt those only). Set for the call only, so no other child of this process gets them.
-            environ = {ENV_ACTIVE: "1", ENV_FAMILIES: ",".join(families) if families else None}
+            environ = {
+                ENV_ACTIVE: "1",
+                ENV_FAMILIES: ",".join(families) if families else None,
+                transport.ENV_SOCKET: transport.receiver_address(),  # where the workers hand their states over
+            }
             with scoped_environ(environ):
                 self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
                 return wrapped(*args, **kwargs)
