@@ -219,11 +219,13 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hold-bytes", type=int, default=320 << 20, help="bytes of results the hold case keeps")
+    parser.add_argument("--cases", default="hold,threads,other_process,shm_emptied,shm_read_only")
     args = parser.parse_args()
-    RECORD["shm_size"] = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
-    from speculators.data_generation import vllm_hidden_states_generator as gen_module
+    import vllm_compat  # first, as in a user's script
 
-    import vllm_compat  # noqa: F401  (first, as a user's script)
+    RECORD["shm_size"] = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    RECORD["vllm_compat_installed"] = vllm_compat.status()["installed"]
+    from speculators.data_generation import vllm_hidden_states_generator as gen_module
 
     original = gen_module.ModelConfig
 
@@ -236,14 +238,15 @@ def main() -> int:
     RECORD["shm_used_after_start"] = shm_used()
     judge = Judge(args.model)
     try:
-        for case in (
-            lambda: case_hold(generator, judge, args.hold_bytes),
-            lambda: case_threads(generator, judge),
-            lambda: case_other_process(generator, judge),
-            lambda: case_shm_emptied(generator, judge),
-            lambda: case_shm_read_only(generator, judge),
-        ):
-            case()
+        cases = {
+            "hold": lambda: case_hold(generator, judge, args.hold_bytes),
+            "threads": lambda: case_threads(generator, judge),
+            "other_process": lambda: case_other_process(generator, judge),
+            "shm_emptied": lambda: case_shm_emptied(generator, judge),
+            "shm_read_only": lambda: case_shm_read_only(generator, judge),
+        }
+        for name in args.cases.split(","):
+            cases[name]()
             with open(args.out, "w") as f:
                 json.dump(RECORD, f, indent=1)
     finally:
