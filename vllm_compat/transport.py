@@ -229,7 +229,7 @@ class Slabs:
         self.lock = threading.Lock()
         self.maker: threading.Thread | None = None
         self.device: int | None = None
-        self.expected = 0  # the size the spare is made for: the largest call so far (or the setup's estimate)
+        self.expected = 0  # the size spares are made for: the largest call so far
         self.limit: int | None = None
         self.warned_unpinned = False
 
@@ -252,23 +252,21 @@ class Slabs:
         return Slab.make(size, self.device, pin)
 
     def prepare(self, size: int, device: int | None) -> None:
-        """Make, in a thread, a free slab of at least ``size`` bytes unless one exists (before the first call)."""
+        """Make, in a thread, a free slab of at least ``size`` bytes (an estimate, before the first call); later spares
+        follow the calls actually made."""
         self.device = device
-        self.expected = max(self.expected, size)
-        self._spare_in_background()
+        if not self.expected:
+            self._spare_in_background(size, headroom=False)
 
     def take(self, size: int) -> tuple[Slab, dict[str, Any]]:
         """A free slab of at least ``size`` bytes for one call (made now only where none is ready)."""
         started = time.perf_counter()
+        slab = self._take_free(size)
         maker = self.maker
-        if maker is not None:
+        if slab is None and maker is not None:
             maker.join()  # a spare on its way: it is what this call needs
+            slab = self._take_free(size)
         waited = time.perf_counter() - started
-        with self.lock:
-            free = [s for s in self.slabs if s.size >= size and s.is_free()]
-            slab = min(free, key=lambda s: s.size) if free else None
-            if slab is not None:
-                self.slabs.remove(slab)
         made = slab is None
         if slab is None:
             slab = self._make(size)
@@ -277,21 +275,29 @@ class Slabs:
             slab.busy = True  # in use by this call until it is handed over (or given back)
         self.expected = max(self.expected, size)
         self._retire_extra(keep=slab)
-        self._spare_in_background()
+        self._spare_in_background(self.expected)
         return slab, {"waited_seconds": waited, "made_now": made, "slab_bytes": slab.size, "pinned": slab.pinned}
 
-    def _spare_in_background(self) -> None:
-        """Start making a spare where no free slab fits the expected call."""
-        want = self.expected
+    def _take_free(self, size: int) -> Slab | None:
+        with self.lock:
+            free = [s for s in self.slabs if s.size >= size and s.is_free()]
+            slab = min(free, key=lambda s: s.size) if free else None
+            if slab is not None:
+                self.slabs.remove(slab)
+        return slab
+
+    def _spare_in_background(self, want: int, headroom: bool = True) -> None:
+        """Where no free slab of ``want`` bytes is ready, start making one (with room for a somewhat longer call)."""
         if not want or (self.maker is not None and self.maker.is_alive()):
             return
         with self.lock:
             if any(s.size >= want and s.is_free() for s in self.slabs):
                 return
+        size = want + want // 4 if headroom else want
 
         def run() -> None:
             try:
-                slab = self._make(want)
+                slab = self._make(size)
             except OSError as exc:
                 logger.debug("states-through-shared-memory: no spare slab (%s)", exc)
                 return
@@ -302,10 +308,13 @@ class Slabs:
         self.maker.start()
 
     def _retire_extra(self, keep: Slab) -> None:
-        """Close free slabs beyond the largest one (the spare): memory the caller gave back goes back."""
+        """Close free slabs but one, the smallest that fits the largest call so far (the spare): memory the caller
+        gave back goes back, and a slab made for an estimate goes once the calls are known to be smaller."""
         with self.lock:
             free = sorted((s for s in self.slabs if s is not keep and s.is_free()), key=lambda s: s.size)
-            extra = free[:-1]
+            fitting = [s for s in free if s.size >= self.expected]
+            spare = fitting[0] if fitting else (free[-1] if free else None)
+            extra = [s for s in free if s is not spare]
             for slab in extra:
                 self.slabs.remove(slab)
         for slab in extra:
