@@ -124,6 +124,9 @@ class PerRequestCapture(Adapter):
             step = getattr(ext, "_vllm_compat_step", None)
             if step is None:
                 return None  # a warm-up or profiling forward: not a scheduled step, nothing to capture
+            rows = rows_of_step(ext.model_runner, step)
+            if rows is None:
+                return None  # a step of no call (a runner's warm-up or dummy run): nothing to capture
             call = getattr(ext, "_vllm_compat_call", None)
             if call is None:
                 raise AdapterError(
@@ -131,7 +134,7 @@ class PerRequestCapture(Adapter):
                     "(call-plan-to-workers is not active there); refusing to guess which rows belong to which request"
                 )
             aux = args[0] if args else kwargs["aux_hidden_states"]
-            call.store(list(aux), rows_of_step(ext.model_runner, step))
+            call.store(list(aux), rows)
             return None
 
         def reset(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
