@@ -102,6 +102,29 @@ class Plan:
         }
 
 
+class _Observations(Mapping[str, Observation]):
+    """Observations made on first use, at most once (through ``cache``): the facts an adapter relies on are observed
+    only when that adapter is weighed for a drift. (Observing more, earlier, could import vLLM modules from a hook
+    that runs while vLLM itself is still being imported.)"""
+
+    def __init__(self, view: ApiView, probes: Mapping[str, Probe], cache: dict[str, Observation] | None) -> None:
+        self.view, self.probes = view, probes
+        self.cache = cache if cache is not None else {}
+
+    def __getitem__(self, probe_id: str) -> Observation:
+        if probe_id not in self.cache:
+            if probe_id not in self.probes:
+                raise KeyError(probe_id)
+            self.cache[probe_id] = self.probes[probe_id].run(self.view)
+        return self.cache[probe_id]
+
+    def __iter__(self):
+        return iter(self.cache)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+
 def judge(
     probe: Probe,
     obs: Observation,
@@ -126,7 +149,7 @@ def judge(
                 continue
             if not adapter.covers_variant(probe.id, obs.variant_for(line)):
                 continue
-            ok, failing = facts_hold(adapter.relies_on, observations or {}, line)
+            ok, failing = facts_hold(adapter.relies_on, observations if observations is not None else {}, line)
             if ok:
                 adapter_id = adapter.id
                 break
@@ -205,21 +228,7 @@ def make_plan(
         wanted = [pid for pid, p in probes.items() if not p.family or p.family in chosen]
     wanted = [pid for pid in wanted if any(probes[pid].applies_to(line) for line in lines)]
     plan = Plan(vllm_version=view.version(), source=view.kind, lines=tuple(lines), families=chosen)
-    needed = set(wanted)
-    if needed & runners.RELATED:
-        needed |= runners.RELATED
-    for adapter in adapters:
-        needed |= set(adapter.relies_on)
-    observations: dict[str, Observation] = {}
-    for probe_id in needed:
-        if probe_id not in probes:
-            continue
-        obs = cache.get(probe_id) if cache is not None else None
-        if obs is None:
-            obs = probes[probe_id].run(view)
-            if cache is not None:
-                cache[probe_id] = obs
-        observations[probe_id] = obs
+    observations = _Observations(view, probes, cache)
     for line in lines:
         choice = None
         if RUNNER_PROBE in probes and probes[RUNNER_PROBE].applies_to(line) and set(wanted) & runners.RELATED:

@@ -101,7 +101,10 @@ def facts_hold(
     """Whether every fact holds for ``line``, and a phrase for each that does not (``probe: variant``)."""
     failing = []
     for probe_id, accepted in facts.items():
-        obs = observations.get(probe_id)
+        try:
+            obs: Observation | None = observations[probe_id]  # a lazy mapping observes on first use (plan.py)
+        except KeyError:
+            obs = None
         variant = obs.variant_for(line) if obs is not None else UNKNOWN
         if variant not in accepted:
             failing.append(f"{probe_id} is {variant}" + ("" if obs is not None else " (not observed)"))
