@@ -74,10 +74,13 @@ class V2BatchLayout(Adapter):
     What changed: V2 (vLLM 0.12.0 on) builds a step's batch inside ``execute_model`` (``prepare_inputs``, requests
     sorted by scheduled tokens) and keeps it in a local until the forward is over; speculators' patched forward, which
     captures the states, cannot see it.
+    V2 also runs its warm-up (``compile_or_warm_up_model``: dummy runs, and steps of made-up requests through
+    ``execute_model``) after speculators set up the capture; those are no call's steps.
     Where fixed: the worker's own model runner object, when speculators sets up the capture: its ``prepare_inputs``
-    is wrapped to keep the returned batch's request order and row counts (checked against ``query_start_loc``) for
-    ``vllm_compat.batch_order.rows_of_step``. Applied only where the plan takes ``model-runner-v2``; under V1 there is
-    nothing to wrap.
+    is wrapped to keep the returned batch's request order and row offsets (``query_start_loc``) for
+    ``vllm_compat.batch_order.rows_of_step``, and the worker's ``compile_or_warm_up_model`` marks the runner as
+    warming up while it runs (``rows_of_step`` answers None: nothing to capture). Applied only where the plan takes
+    ``model-runner-v2``; under V1 there is nothing to wrap.
     """
 
     id = "v2-batch-layout"
@@ -95,9 +98,24 @@ class V2BatchLayout(Adapter):
                 return result  # set up again on the same runner: its layout is recorded already
             if batch_order.is_v2_runner(runner):
                 self.wrap(runner, "prepare_inputs", batch_order.record_v2_steps())
+                if callable(getattr(ext, "compile_or_warm_up_model", None)):  # ext is the worker (its extension)
+                    self.wrap(ext, "compile_or_warm_up_model", _warming_up(runner))
                 logger.debug("vllm-compat: recording the batch layout of %s", type(runner).__qualname__)
             else:
                 logger.debug("vllm-compat: %s is not Model Runner V2: no layout to record", type(runner).__qualname__)
             return result
 
         self.wrap(module, "HiddenStatesWorkerExtension._setup_hidden_states_capture", setup)
+
+
+def _warming_up(runner: Any) -> Any:
+    """A wrapper for the worker's ``compile_or_warm_up_model``: the runner is marked as warming up while it runs."""
+
+    def warm_up(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        setattr(runner, batch_order.WARMING_UP_ATTRIBUTE, True)
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            setattr(runner, batch_order.WARMING_UP_ATTRIBUTE, False)
+
+    return warm_up

@@ -23,10 +23,19 @@ from typing import Any
 
 from vllm_compat.errors import AdapterError
 
-__all__ = ["STEP_ATTRIBUTE", "StepRows", "is_v2_runner", "prompt_lengths", "record_v2_steps", "rows_of_step"]
+__all__ = [
+    "STEP_ATTRIBUTE",
+    "WARMING_UP_ATTRIBUTE",
+    "StepRows",
+    "is_v2_runner",
+    "prompt_lengths",
+    "record_v2_steps",
+    "rows_of_step",
+]
 
 StepRows = list[tuple[str, int]]  # (request id, rows it has in the step), in row order
 STEP_ATTRIBUTE = "_vllm_compat_v2_step"  # on a V2 runner: the layout of the step it prepared last
+WARMING_UP_ATTRIBUTE = "_vllm_compat_warming_up"  # on a V2 runner: True while its worker warms the model up
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class _V2Step:
     scheduler_output: Any  # held, so identity tells this step from any other
     rows: StepRows
     problem: str = ""  # why the layout cannot be trusted (raised when the rows are asked for)
+    warm_up: bool = False  # prepared while the worker warmed the model up: no call's step
 
 
 def is_v2_runner(runner: Any) -> bool:
@@ -54,7 +64,10 @@ def record_v2_steps() -> Callable[..., Any]:
         runner = instance if instance is not None else getattr(wrapped, "__self__", None)
         scheduler_output = kwargs.get("scheduler_output", args[0] if args else None)
         if runner is not None:
-            setattr(runner, STEP_ATTRIBUTE, _v2_layout(scheduler_output, batch))
+            step = _v2_layout(scheduler_output, batch)
+            if getattr(runner, WARMING_UP_ATTRIBUTE, False):
+                step = _V2Step(step.scheduler_output, step.rows, step.problem, warm_up=True)
+            setattr(runner, STEP_ATTRIBUTE, step)
         return batch
 
     return record
@@ -83,10 +96,11 @@ def rows_of_step(runner: Any, scheduler_output: Any) -> StepRows | None:
     """The step's requests in the order of the captured rows, with their row counts.
 
     ``runner`` is the worker's model runner and ``scheduler_output`` the step it executes. Returns None for a
-    forward that runs no scheduled request: Model Runner V2's dummy runs (warm-up and profiling) go through
-    ``execute_model`` with requests the runner never holds; there is nothing to capture. Raises AdapterError where
-    the rows cannot be attributed (the runner's batch does not hold exactly the scheduled requests, or its layout is
-    unknown): rows are never guessed.
+    forward that is no step of a call, which Model Runner V2 runs through ``execute_model`` too: its dummy runs
+    (requests the runner never holds) and the steps of made-up requests with which the worker warms the model up
+    (``compile_or_warm_up_model``; marked by the v2-batch-layout adapter). There is nothing to capture there.
+    Raises AdapterError where the rows cannot be attributed (the runner's batch does not hold exactly the scheduled
+    requests, or its layout is unknown): rows are never guessed.
     """
     scheduled: dict[str, int] = dict(scheduler_output.num_scheduled_tokens)
     if is_v2_runner(runner):
@@ -122,12 +136,14 @@ def _rows_of_v2_step(runner: Any, scheduler_output: Any, scheduled: dict[str, in
             )
     step = getattr(runner, STEP_ATTRIBUTE, None)
     if isinstance(step, _V2Step) and step.scheduler_output is scheduler_output:
+        if step.warm_up:
+            return None
         if step.problem:
             raise AdapterError(step.problem)
         return step.rows
     states = getattr(runner, "req_states", None)
     known = getattr(states, "req_id_to_index", None)
-    if known is not None and not any(rid in known for rid in scheduled):
+    if getattr(runner, WARMING_UP_ATTRIBUTE, False) or (known is not None and not any(r in known for r in scheduled)):
         return None  # a dummy run (warm-up, profiling): none of its requests is the runner's
     raise AdapterError(
         "Model Runner V2 ran a step whose batch layout was not recorded (the v2-batch-layout adapter records it when "

@@ -135,9 +135,14 @@ def test_prompt_lengths_come_from_the_schedule() -> None:
 def test_the_worker_adapter_records_on_a_v2_runner_only_and_reverts(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_compat.adapters.model_runner import V2BatchLayout
 
-    class HiddenStatesWorkerExtension:
+    class HiddenStatesWorkerExtension:  # mixed into vLLM's worker: it has the worker's methods
         def _setup_hidden_states_capture(self, layer_ids):
             return layer_ids
+
+        def compile_or_warm_up_model(self):
+            """As V2's warm-up: steps of made-up requests through execute_model (they join req_states)."""
+            self.model_runner.execute_model(step({"_warmup_0_": 2, "_warmup_1_": 2}))
+            return "warm"
 
     module = types.ModuleType("fake_custom_worker")
     module.HiddenStatesWorkerExtension = HiddenStatesWorkerExtension
@@ -150,8 +155,9 @@ def test_the_worker_adapter_records_on_a_v2_runner_only_and_reverts(monkeypatch:
     v2._setup_hidden_states_capture([0])  # twice on one runner: wrapped once
     v1._setup_hidden_states_capture([0])
     assert "prepare_inputs" in vars(v2.model_runner) and not hasattr(v1.model_runner, "prepare_inputs")
+    assert v2.compile_or_warm_up_model() == "warm"
     v2.model_runner.execute_model(step({"a": 1, "b": 2}))
-    assert v2.model_runner.seen == [[("a", 1), ("b", 2)]]
+    assert v2.model_runner.seen == [None, [("a", 1), ("b", 2)]]  # the warm-up's step is no call's
     adapter.revert()
-    assert "prepare_inputs" not in vars(v2.model_runner)
+    assert "prepare_inputs" not in vars(v2.model_runner) and "compile_or_warm_up_model" not in vars(v2)
     assert HiddenStatesWorkerExtension._setup_hidden_states_capture(v1, [1]) == [1]
