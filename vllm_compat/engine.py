@@ -200,9 +200,13 @@ class _Engine:
         if not cls.serves(line):
             return
         reasons = [f"always: {cls.always}"] if cls.always else []
-        for probe_id in cls.covers:
+        # the plan's choice: an adapter applies where a finding names it (or, for a companion, names the adapter it
+        # is the other half of), not wherever it could cover a variant (runner adapters are alternatives)
+        chosen = cls.companion_of or cls.id
+        principal = load_adapters().get(cls.companion_of) if cls.companion_of else cls
+        for probe_id in principal.covers if principal is not None else ():
             finding = self._finding(probe_id, line)
-            if finding is not None and finding.state is State.DRIFTED and cls.covers_variant(probe_id, finding.variant):
+            if finding is not None and finding.adapter == chosen:
                 reasons.append(f"{probe_id}: {finding.observed}")
         if not reasons:
             return

@@ -73,7 +73,7 @@ def render_table(
             "the generator's guard would stop the run"
         )
     if not plan.passes(strict):
-        failing = plan.unhandled if strict else plan.unhandled_drift
+        failing = plan.failing(strict)
         out.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
         out.append(
             "what to do: each row above says what speculators expects and what this vLLM has (observed, with "
