@@ -121,8 +121,8 @@ def main() -> int:
 
     env = {**os.environ, transport.ENV_SOCKET: transport.receiver_address() or ""}
     argv = [str(v) for v in (args.seqs, args.tokens, args.layers, args.hidden, args.steps, args.step_ms, args.device)]
-    worker = subprocess.Popen(
-        [sys.executable, "-c", WORKER, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    worker = subprocess.Popen(  # run outside the checkout: its vllm_compat/ folder would shadow the installed one
+        [sys.executable, "-c", WORKER, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd="/"
     )
     nbytes = args.seqs * args.tokens * args.layers * args.hidden * 2
     seconds: dict[str, list[float]] = {side: [] for side in SIDES}

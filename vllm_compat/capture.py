@@ -184,6 +184,8 @@ class CallCapture:
         if HAND_OVER is _rpc_reply:
             self.block = torch.empty(size, dtype=torch.uint8, pin_memory=aux[0].is_cuda)
         else:
+            if aux[0].is_cuda and SLABS.device is None:  # no slab made ahead: pin for the device the states are on
+                SLABS.device = aux[0].device.index
             self.slab, taken = SLABS.take(max(size, 1))
             self.block = self.slab.block
             self.stats.update(taken, slab_reused=not taken["made_now"])
