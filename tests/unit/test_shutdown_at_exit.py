@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-STAND_IN = '''
+STAND_IN = """
 import logging
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,11 @@ class VllmHiddenStatesGenerator:
                 self.executor.shutdown()
             except Exception:
                 log.warning("Exception during executor shutdown")
-'''
+"""
 
 # Module teardown, made deterministic: a hook registered before anything else (so it runs after every other exit
 # hook, as teardown does) sets the stand-in's globals to None, then drops the generator the script still holds.
-SCRIPT = '''
+SCRIPT = """
 import atexit, sys
 sys.path.insert(0, sys.argv[1])
 import stand_in_generator as module
@@ -53,7 +53,7 @@ if sys.argv[3] == "adapted":
     from vllm_compat.adapters.lifecycle import ShutdownAtExit
     ShutdownAtExit().apply(module)
 generator = module.VllmHiddenStatesGenerator(sys.argv[2])  # alive until the interpreter exits
-'''
+"""
 
 
 def run(tmp_path: Path, how: str) -> tuple[subprocess.CompletedProcess, list[str]]:
