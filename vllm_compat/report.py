@@ -98,15 +98,18 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list
             "generator's guard would stop the run"
         )
     if not plan.passes(strict):
-        failing = sorted(_probes(plan.unhandled if strict else plan.unhandled_drift))
-        notes.append(f"not covered ({len(failing)}): {', '.join(failing)}")
+        failing = plan.unhandled if strict else plan.unhandled_drift
+        notes.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
         notes.append(
             "what to do: each row below says what speculators expects and what this vLLM has (observed, with "
             "file:line). Pin a vLLM release this report passes, or upgrade vllm-compat; a new adapter must cover "
             "the observed variant."
         )
     for note in notes:
-        lines.append(textwrap.fill(note, width=116, initial_indent="  ", subsequent_indent="    "))
+        if note.startswith("not covered: "):  # one line, whole: names to search for, not prose
+            lines.append(f"  {note}")
+        else:
+            lines.append(textwrap.fill(note, width=116, initial_indent="  ", subsequent_indent="    "))
     return lines
 
 

@@ -202,7 +202,7 @@ def test_table_names_the_unhandled_drift(new_field_tree: Path, capsys) -> None:
     assert NEW_FIELD in out  # the observed signature
     assert out.splitlines()[1].startswith("verdict: FAIL: "), "the verdict comes first"
     verdict = out.split("\nspeculators:")[0]
-    assert "not covered (" in verdict and "request.request_kwargs" in verdict
+    assert "not covered: " in verdict and "request.request_kwargs (vllm.v1.request.Request)" in verdict
     assert "vLLM 9.9.9 is newer than the releases vllm-compat was tested on (0.11 to 0.33)" in out
 
 

@@ -66,6 +66,7 @@ def test_the_generator_process_is_not_taken_for_a_worker(sandbox, monkeypatch: p
 
 def test_the_summary_names_the_route(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
     engine, _ = sandbox
+    monkeypatch.setattr(plugin, "route", None)  # the generator's process, not a worker
     engine.worker_route = ("worker-extension-fallback", "X as the worker extension: VLLM_PLUGINS='none' leaves it out")
     plan = engine_module.make_plan(engine.view(), ("0.4.0.1",), [], cache={})
     summary = engine._summary(engine_module.judge_line(), plan)
