@@ -80,15 +80,18 @@ def executor_gone(generator: Any) -> bool:
 class ConstructorChecks(Adapter):
     """Check the generator's arguments before any worker starts, and stop the workers if the constructor fails.
 
-    What broke (a speculators defect, on every vLLM): duplicated ``layer_ids`` start the engine and then return one
-    tensor per distinct layer, not one per requested layer (a silently short result); an empty ``layer_ids`` or one
-    holding a non-integer (``[1.5]``) passes speculators' range check and fails only after the model loaded; a local
-    ``model_path`` that does not exist fails inside huggingface_hub with "Repo id must be in the form 'repo_name' or
-    'namespace/repo_name'". And a constructor that fails after ``MultiprocExecutor`` started (KV-cache planning, say)
-    leaves the workers running until the half-built generator is garbage-collected, which a caller holding the
-    exception (and so its traceback) delays indefinitely.
-    Where fixed: around the constructor: bad layer ids and a missing local folder raise before anything loads;
-    on any failure after the executor started, the executor is shut down before the error propagates.
+    What broke (a speculators defect, on every vLLM): an empty ``layer_ids`` or one holding a non-integer (``[1.5]``)
+    passes speculators' range check and fails only after the model loaded; speculators' default layers
+    ``[2, n // 2, n - 3, n - 1]`` on a model of fewer than 3 layers fail with "Layer index 2 out of bounds [0, 1]",
+    naming a layer the caller never asked for; a local ``model_path`` that does not exist fails inside
+    huggingface_hub with "Repo id must be in the form 'repo_name' or 'namespace/repo_name'". And a constructor that
+    fails after ``MultiprocExecutor`` started (KV-cache planning, say) leaves the workers running until the
+    half-built generator is garbage-collected, which a caller holding the exception (and so its traceback) delays
+    indefinitely.
+    Where fixed: around the constructor: bad layer ids, a default that does not fit the model and a missing local
+    folder raise before anything loads; on any failure after the executor started, the executor is shut down
+    before the error propagates. Repeated and unsorted layer ids are valid requests: ``states-per-requested-layer``
+    returns one state per id, in the order asked.
     """
 
     id = "constructor-checks"
@@ -109,15 +112,39 @@ class ConstructorChecks(Adapter):
                     args = (args[0], list(layer_ids), *args[2:])
             try:
                 return wrapped(*args, **kwargs)
+            except ValueError as exc:
+                if layer_ids is None and default_does_not_fit(getattr(instance, "__dict__", {}).get("layer_ids")):
+                    raise ValueError(default_layers_do_not_fit(instance.layer_ids, exc)) from exc
+                shut_down_and_note(instance, exc)
+                raise
             except BaseException as exc:
-                if shut_down_executor(instance) and hasattr(exc, "add_note"):  # Python 3.11+
-                    exc.add_note(
-                        "vllm-compat: the generator's constructor failed after vLLM's workers had started; "
-                        "they were shut down."
-                    )
+                shut_down_and_note(instance, exc)
                 raise
 
         self.wrap(module, "VllmHiddenStatesGenerator.__init__", init)
+
+
+def default_does_not_fit(default: Any) -> bool:
+    """Whether speculators' default ``[2, n // 2, n - 3, n - 1]`` (``default``) names layers the model lacks: n < 3."""
+    return isinstance(default, list) and len(default) == 4 and _is_int(default[-1]) and default[-1] + 1 < 3
+
+
+def default_layers_do_not_fit(default: list[int], error: Exception) -> str:
+    """The message for speculators' default layers on a model too shallow for them (speculators' own check said
+    ``error``). The default is ``[2, n // 2, n - 3, n - 1]``, so its last id tells the model's depth."""
+    layers = default[-1] + 1
+    return (
+        f"VllmHiddenStatesGenerator(layer_ids=None): speculators' default layers [2, n // 2, n - 3, n - 1] are "
+        f"{default} for this {layers}-layer model, and need a model of at least 3 layers ({error}). Pass layer_ids, "
+        f"e.g. layer_ids={list(range(layers))}."
+    )
+
+
+def shut_down_and_note(instance: Any, exc: BaseException) -> None:
+    if shut_down_executor(instance) and hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(
+            "vllm-compat: the generator's constructor failed after vLLM's workers had started; they were shut down."
+        )
 
 
 def check_model_path(model_path: Any) -> None:
@@ -134,13 +161,13 @@ def check_model_path(model_path: Any) -> None:
 
 
 def check_layer_ids(layer_ids: Any) -> None:
-    """Layer ids must be a non-empty list (or tuple) of distinct ints; speculators checks their range itself.
+    """Layer ids must be a non-empty list (or tuple) of ints; speculators checks their range itself.
 
-    An empty list or a float passed speculators' own check and failed only after the model loaded; duplicated ids
-    would get one tensor per distinct layer back, not one per requested layer.
+    An empty list or a float passed speculators' own check and failed only after the model loaded. Repeated and
+    unsorted ids are served as asked (``states-per-requested-layer``).
     """
     if layer_ids is None:
-        return  # speculators picks its default layers
+        return  # speculators picks its default layers (a default that does not fit the model: see the wrapper)
     where = f"VllmHiddenStatesGenerator(layer_ids={layer_ids!r:.80})"
     if not isinstance(layer_ids, list | tuple):
         raise ValueError(f"{where}: layer_ids must be a list of ints (layer indices), not {type(layer_ids).__name__}")
@@ -152,14 +179,6 @@ def check_layer_ids(layer_ids: Any) -> None:
                 f"{where}: item {position} is {layer!r:.40} ({type(layer).__name__}), not a layer index; "
                 "layer ids must be ints"
             )
-    seen: set[int] = set()
-    twice = [i for i in layer_ids if i in seen or seen.add(i)]
-    if twice:
-        raise ValueError(
-            f"VllmHiddenStatesGenerator(layer_ids={list(layer_ids)}): layer {twice[0]} is requested more than once; "
-            "the workers capture each layer once, so the result would hold fewer tensors than layer_ids. "
-            "Pass distinct layer ids."
-        )
 
 
 def shut_down_executor(generator: Any) -> bool:

@@ -40,7 +40,13 @@ def _parser() -> argparse.ArgumentParser:
         "--source",
         metavar="PATH|WHEEL|vllm==X",
         help="probe a vLLM source folder, a wheel, or a release fetched from the package index "
-        "(default: the installed vLLM)",
+        "(default: the installed vLLM, read from its files without importing it)",
+    )
+    probe.add_argument(
+        "--live",
+        action="store_true",
+        help="probe the installed vLLM by importing it (tens of seconds; the same findings as the default reading "
+        "of its files, and it also proves vLLM imports). vLLM's own output goes to stderr",
     )
     probe.add_argument(
         "--speculators",
@@ -63,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     probe.add_argument("--json", action="store_true", help="print the JSON report (docs/json-report.md)")
     probe.add_argument("--strict", action="store_true", help="count unknown findings as unhandled")
-    probe.add_argument("-v", "--verbose", action="store_true", help="show details of baseline facts too")
+    probe.add_argument(
+        "--all", action="store_true", dest="show_all", help="list the baseline facts too (by default: left out)"
+    )
+    probe.add_argument("-v", "--verbose", action="store_true", help="with --all, show the baseline facts' details")
     run = sub.add_parser(
         "run",
         help="run a command with vllm-compat active in it and in every Python process it starts",
@@ -109,23 +118,33 @@ def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | 
                 f"unknown speculators line {speculators!r}: vllm-compat serves speculators 0.3.x and 0.4.x (judged "
                 f"as {' and '.join(SPECULATORS_LINES)}); give one of those versions"
             )
-        how = "--speculators" if speculators == line else f"--speculators {speculators}, judged as the {line} line"
+        if speculators == line:
+            how = f"line {line}, as given (--speculators)"
+        else:
+            how = f"line {line} (--speculators {speculators}, judged as the {line} line)"
         return (line,), speculators, how
     verdict = judge_line()
     lines = (verdict.line,) if verdict.line else tuple(SPECULATORS_LINES)
+    if verdict.how == "absent":
+        how = (
+            f"none found here (no speculators code or metadata), so both lines are judged ({' and '.join(lines)}); "
+            "--speculators VERSION judges one"
+        )
+        return lines, verdict.metadata_version, how
     return lines, verdict.metadata_version, verdict.describe()
 
 
-def probe_plan(source: str | None, speculators: str | None = None, families=None):
-    """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM) judged for ``speculators``
-    (a 0.3.x/0.4.x version; None: the line of the speculators code Python imports, or both lines) and the model
-    ``families`` (None: the default, "all", or names). Raises SourceError when there is nothing to probe."""
+def probe_plan(source: str | None, speculators: str | None = None, families=None, live: bool = False):
+    """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM, read from its files; imported
+    with ``live``) judged for ``speculators`` (a 0.3.x/0.4.x version; None: the line of the speculators code Python
+    imports, or both lines) and the model ``families`` (None: the default, "all", or names). Raises SourceError when
+    there is nothing to probe."""
     from vllm_compat.plan import make_plan
     from vllm_compat.sources import open_view
 
     lines, _version, _how = speculators_choice(speculators)
     try:
-        return make_plan(open_view(source), lines, families=families)
+        return make_plan(open_view(source, live=live), lines, families=families)
     except ValueError as exc:  # an unknown family name
         raise SourceError(str(exc)) from exc
 
@@ -147,16 +166,44 @@ def _families(args: argparse.Namespace):
 def _probe(args: argparse.Namespace) -> int:
     from vllm_compat.report import render_json, render_table
 
+    if args.live and args.source:
+        raise SourceError("--live imports the installed vLLM; it does not go with --source")
     _lines, version, how = speculators_choice(args.speculators)
-    plan = probe_plan(args.source, args.speculators, _families(args))
+    families = _families(args)
+    # Importing vLLM prints to stdout (its logger's default stream, and some prints), and may again at exit: the
+    # report goes to the real stdout, and everything else in this process to stderr, from here on.
+    report_to = _stdout_for_report_only() if args.live else sys.stdout
+    plan = probe_plan(args.source, args.speculators, families, live=args.live)
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
     if args.json:
-        print(render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown))
+        text = render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown)
     else:
-        origin = args.source or "installed"
-        print(render_table(plan, origin, args.strict, args.verbose, judged=how, line_unknown=line_unknown))
+        text = render_table(
+            plan, _origin(args, plan), args.strict, args.verbose, judged=how, line_unknown=line_unknown,
+            show_all=args.show_all,
+        )  # fmt: skip
+    print(text, file=report_to, flush=True)
     return EXIT_OK if plan.passes(args.strict) and not line_unknown else EXIT_DRIFT
+
+
+def _origin(args: argparse.Namespace, plan) -> str:
+    if args.source:
+        return f"{plan.source}: {args.source}"
+    if args.live:
+        return "installed, imported"
+    from vllm_compat.sources import installed_vllm_folder
+
+    return f"installed, read from {installed_vllm_folder()} without importing it"
+
+
+def _stdout_for_report_only():
+    """A stream on the process's real stdout; file descriptor 1 itself goes to stderr for the rest of the process, so
+    whatever else writes to stdout (vLLM's logger, prints, C code, exit handlers) lands on stderr."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    return os.fdopen(real, "w", encoding="utf-8", closefd=True)
 
 
 def run_environment(environ: dict[str, str] | None = None, strict: bool = False) -> dict[str, str]:

@@ -56,6 +56,8 @@ class _Engine:
         self.pass_through: dict[str, list[str]] = {}  # adapter id -> its wrappers left switched off by uninstall()
         self._view: Any = None
         self.summarised = False  # the guard's one summary line per process
+        self.starting_workers: int | None = None  # the pid of this process while a guarded constructor runs
+        self.worker_route: tuple[str, str] | None = None  # (route, why) the last generator's workers were reached by
 
     # -- public API --------------------------------------------------------------------------
     def install(self, strict: bool = False) -> None:
@@ -122,6 +124,12 @@ class _Engine:
                 "hooks": sorted(self.hooked),
                 "guarded": self.guard is not None,
                 "plugin_loaded": plugin.loaded,
+                # how vllm-compat reaches vLLM's workers: in a worker, the route that activated it there; in the
+                # generator's process, the route its workers take (None before a generator is built)
+                "worker_route": plugin.route or (self.worker_route[0] if self.worker_route else None),
+                "worker_route_why": _route_why(plugin.route)
+                if plugin.route
+                else (self.worker_route[1] if self.worker_route else None),
                 "pid": os.getpid(),
             }
 
@@ -259,8 +267,14 @@ class _Engine:
                 transport.ENV_SOCKET: transport.receiver_address(),  # where the workers hand their states over
             }
             with scoped_environ(environ):
+                self.worker_route = _workers_route()
                 self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)
-                return wrapped(*args, **kwargs)
+                outer = self.starting_workers
+                self.starting_workers = os.getpid()
+                try:
+                    return wrapped(*args, **kwargs)
+                finally:
+                    self.starting_workers = outer
 
         self.guard = wrap(module, GUARD_PATH, guarded_init, "drift guard")
 
@@ -287,13 +301,30 @@ class _Engine:
     def _summary(self, verdict: Any, plan: Plan) -> str:
         """The guard's summary: versions, the line and how it was judged, which adapters cover which drift."""
         covered = [f for f in plan.findings if f.state is State.DRIFTED and f.handled]
-        always = sorted(k for k, a in self.applied.items() if type(a).always)
+        # the fallback is armed in every process; which route the workers take is said on its own
+        always = sorted(k for k, a in self.applied.items() if type(a).always and k != "worker-extension-fallback")
         vllm = plan.vllm_version or installed_version("vllm")
+        route = f"; workers reached through {self.worker_route[1]}" if self.worker_route else ""
         return (
             f"vllm-compat: vLLM {vllm or '?'}, speculators {verdict.metadata_version or '?'} "
             f"({verdict.describe()}); {len(covered)} drift(s) covered by {', '.join(plan.adapters) or 'no adapter'}"
-            f"; {len(plan.unhandled)} unhandled; run-time adapters applied: {', '.join(always) or 'none'}"
+            f"; {len(plan.unhandled)} unhandled; run-time adapters applied: {', '.join(always) or 'none'}{route}"
         )
+
+
+def _workers_route() -> tuple[str, str] | None:
+    """(route, why) for the workers a generator starts now; None where the fallback adapter is not loaded."""
+    try:
+        from vllm_compat.adapters.plugin_fallback import workers_route
+    except ImportError:  # pragma: no cover  (always installed with vllm-compat)
+        return None
+    return workers_route()
+
+
+def _route_why(route: str) -> str:
+    if route == plugin.PLUGIN_ROUTE:
+        return "vLLM's plugin loader ran the vllm_compat entry point in this worker"
+    return "vLLM imported vllm_compat.worker.HiddenStatesWorkerExtension (the generator named it) in this worker"
 
 
 def _initializing(module: ModuleType) -> bool:

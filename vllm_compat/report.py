@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import textwrap
 
-from vllm_compat.findings import State
+from vllm_compat.findings import Finding, State
 from vllm_compat.plan import Plan
+from vllm_compat.versions import VLLM_SERVED, served_range
 
 __all__ = ["render_json", "render_table"]
+
+SERVED = f"{VLLM_SERVED[0].rsplit('.', 1)[0]} to {VLLM_SERVED[1].rsplit('.', 1)[0]}"  # "0.11 to 0.33"
 
 
 def render_json(
@@ -19,6 +22,7 @@ def render_json(
     data = plan.to_json(speculators_installed, strict)
     if judged is not None:
         data["speculators_judged"] = judged
+    data["vllm_range"] = served_range(plan.vllm_version)
     data["ok"] = bool(data["ok"]) and not line_unknown
     return json.dumps(data, indent=2, sort_keys=False)
 
@@ -30,59 +34,107 @@ def render_table(
     verbose: bool = False,
     judged: str | None = None,
     line_unknown: bool = False,
+    show_all: bool = False,
 ) -> str:
-    out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({plan.source}: {origin})"]
-    out.append(f"model families judged: {', '.join(plan.families)} (--model or --family all for others)")
+    """The report for people: the verdict first, then the rows that need a look (drifted, unknown); ``show_all``
+    adds the baseline rows, ``verbose`` their details too."""
+    passes = plan.passes(strict) and not line_unknown
+    out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({origin})"]
+    out += _verdict(plan, strict, passes, line_unknown)
     if judged is not None:
         out.append(f"speculators: {judged}")
+    out.append(f"model families judged: {', '.join(plan.families)}{_families_hint(plan)}")
+    rows = [f for f in plan.findings if show_all or f.state is not State.BASELINE]
+    width = max([len(f.probe) for f in rows] + [len("PROBE")]) + 1  # the longest name shown, whole
     for line in plan.lines:
         findings = [f for f in plan.findings if f.speculators == line]
+        shown = [f for f in findings if show_all or f.state is not State.BASELINE]
+        baseline = sum(f.state is State.BASELINE for f in findings)
+        drifted = [f for f in findings if f.state is State.DRIFTED]
+        unknown = sum(f.state is State.UNKNOWN for f in findings)
         out.append("")
-        out.append(f"speculators {line}: {len(findings)} facts")
-        out.append(f"  {'PROBE':<44} {'STATE':<9} COVERED BY")
-        for f in findings:
-            if f.state is State.BASELINE:
-                cover = "-"
-            elif f.adapter:
-                cover = f.adapter
-            else:
-                cover = "UNKNOWN" if f.state is State.UNKNOWN else "UNHANDLED"
-            out.append(f"  {f.probe:<44} {f.state!s:<9} {cover}")
+        out.append(
+            f"speculators {line}: {len(findings)} facts: {baseline} as speculators expects, {len(drifted)} drifted "
+            f"({sum(f.handled for f in drifted)} covered by an adapter), {unknown} unknown"
+        )
+        if not shown:
+            continue
+        out.append(f"  {'PROBE':<{width}} {'STATE':<9} COVERED BY")
+        for f in shown:
+            out.append(f"  {f.probe:<{width}} {f.state!s:<9} {_cover(f)}")
             if verbose or f.state is not State.BASELINE:
-                for label, text in (
-                    ("expected", f.expected),
-                    ("observed", f.observed),
-                    ("evidence", f.evidence),
-                ):
-                    if text:
-                        out.append(
-                            textwrap.fill(
-                                text,
-                                width=110,
-                                initial_indent=f"      {label}: ",
-                                subsequent_indent=" " * 16,
-                            )
-                        )
+                out += _details(f)
+    if not show_all and any(f.state is State.BASELINE for f in plan.findings):
+        out.append("")
+        out.append("baseline rows (vLLM has what speculators expects) are left out: --all lists them, -v with details")
+    return "\n".join(out)
+
+
+def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list[str]:
+    """The verdict and, where it fails, what is not covered and what to do."""
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
-    out.append("")
-    passes = plan.passes(strict) and not line_unknown
+    counts = (
+        f"{len(_probes(drift))} drifted ({len(_probes(covered))} covered by adapters, "
+        f"{len(_probes(plan.unhandled_drift))} unhandled), {len(_probes(plan.unknown))} unknown"
+    )
+    strictly = " (strict: unknown counts as unhandled)" if strict else ""
+    lines = [f"verdict: {'OK' if passes else 'FAIL'}: {counts}{strictly}"]
+    where = served_range(plan.vllm_version)
+    notes = []
+    if where == "older":
+        notes.append(
+            f"vLLM {plan.vllm_version} is older than the releases vllm-compat serves ({SERVED}): speculators 0.3.0 was "
+            "built for vLLM 0.11.0 and 0.4.0.1 for 0.12 to 0.16; use one of those or a later release"
+        )
+    elif where == "newer":
+        notes.append(
+            f"vLLM {plan.vllm_version} is newer than the releases vllm-compat was tested on ({SERVED}): judged on its "
+            "code by the same probes; run the end-to-end comparison before relying on it"
+        )
     if line_unknown:
-        out.append(
-            "not covered: the speculators code matches neither line vllm-compat serves (see 'speculators:' above); "
-            "the generator's guard would stop the run"
+        notes.append(
+            "the speculators code matches neither line vllm-compat serves (see 'speculators:' below): the "
+            "generator's guard would stop the run"
         )
     if not plan.passes(strict):
         failing = plan.failing(strict)
-        out.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
-        out.append(
-            "what to do: each row above says what speculators expects and what this vLLM has (observed, with "
+        notes.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
+        notes.append(
+            "what to do: each row below says what speculators expects and what this vLLM has (observed, with "
             "file:line). Pin a vLLM release this report passes, or upgrade vllm-compat; a new adapter must cover "
             "the observed variant."
         )
-    verdict = (
-        f"verdict: {len(drift)} drifted ({len(covered)} covered, {len(plan.unhandled_drift)} unhandled), "
-        f"{len(plan.unknown)} unknown -> {'OK' if passes else 'FAIL'}"
-    )
-    out.append(verdict + (" (strict: unknown counts as unhandled)" if strict else ""))
-    return "\n".join(out)
+    for note in notes:
+        if note.startswith("not covered: "):  # one line, whole: names to search for, not prose
+            lines.append(f"  {note}")
+        else:
+            lines.append(textwrap.fill(note, width=116, initial_indent="  ", subsequent_indent="    "))
+    return lines
+
+
+def _probes(findings: list[Finding]) -> set[str]:
+    return {f.probe for f in findings}
+
+
+def _families_hint(plan: Plan) -> str:
+    from vllm_compat.plan import load_probes
+
+    known = {p.family for p in load_probes().values() if p.family}
+    return "" if known <= set(plan.families) else " (others: --model PATH, --family NAME or --family all)"
+
+
+def _cover(f: Finding) -> str:
+    if f.state is State.BASELINE:
+        return "-"
+    if f.adapter:
+        return f.adapter
+    return "UNKNOWN" if f.state is State.UNKNOWN else "UNHANDLED"
+
+
+def _details(f: Finding) -> list[str]:
+    out = []
+    for label, text in (("expected", f.expected), ("observed", f.observed), ("evidence", f.evidence)):
+        if text:
+            out.append(textwrap.fill(text, width=110, initial_indent=f"      {label}: ", subsequent_indent=" " * 16))
+    return out

@@ -71,10 +71,29 @@ def _find_wheel(folder: Path, version: str) -> Path | None:
     return found[0] if found else None
 
 
-def open_view(source: str | None):
-    """An ApiView for ``source``: None (installed vLLM), a folder, a wheel, or ``vllm==X``."""
+def installed_vllm_folder() -> Path | None:
+    """The folder holding the ``vllm`` package Python would import, found without importing it (a top-level name's
+    spec comes from the path finders alone)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return Path(locations[0]).parent if locations else None
+
+
+def open_view(source: str | None, live: bool = False):
+    """An ApiView for ``source``: None (the installed vLLM), a folder, a wheel, or ``vllm==X``.
+
+    The installed vLLM is read from its files with ``ast`` (seconds; nothing imported, nothing printed), or with
+    ``live`` imported and inspected (importing vLLM and torch takes tens of seconds, and vLLM logs as it imports).
+    Both give the same findings (tests/e2e/test_probe_cli.py).
+    """
+    from vllm_compat.apiview.static import StaticSourceError, StaticView
+
     if source is None:
-        from vllm_compat.apiview.live import LiveView
         from vllm_compat.versions import installed_version
 
         if installed_version("vllm") is None:
@@ -82,9 +101,17 @@ def open_view(source: str | None):
                 "no vLLM is installed here. Probe a release without installing it: "
                 "`vllm-compat probe --source vllm==0.33.0` (or a wheel file or source folder)."
             )
-        return LiveView()
-    from vllm_compat.apiview.static import StaticSourceError, StaticView
+        if live:
+            from vllm_compat.apiview.live import LiveView
 
+            return LiveView()
+        folder = installed_vllm_folder()
+        if folder is None:
+            raise SourceError("cannot find the installed vllm package's files; `vllm-compat probe --live` imports it")
+        try:
+            return StaticView(folder)
+        except StaticSourceError as exc:
+            raise SourceError(f"{exc}; `vllm-compat probe --live` imports the installed vLLM instead") from exc
     match = _RELEASE.match(source.strip())
     path = fetch_release(match["version"]) if match else Path(source)
     if not path.exists():

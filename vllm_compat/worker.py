@@ -7,7 +7,9 @@ vllm-compat there first, so the worker-side adapters patch speculators' extensio
 from __future__ import annotations
 
 import vllm_compat
+from vllm_compat import plugin
 
+plugin.activated_in_worker(plugin.FALLBACK_ROUTE)  # the plugin did not run here (why the generator named us)
 vllm_compat.install()
 
 from speculators.data_generation.custom_worker import (  # noqa: E402  (must follow install())

@@ -65,7 +65,7 @@ def assert_cli_fails_closed(tree: Path, probe: str, symbol: str, state: str, hin
     assert hint in " ".join(table.stdout.split())  # the table wraps long lines
     assert "not covered: " in table.stdout and f"{probe} ({symbol})" in table.stdout
     assert "what to do:" in table.stdout
-    assert table.stdout.rstrip().splitlines()[-1].startswith("verdict:") and "FAIL" in table.stdout.splitlines()[-1]
+    assert table.stdout.splitlines()[1].startswith("verdict: FAIL"), "the verdict comes first"
     report = json.loads(probe_cli(tree, "--json").stdout)
     assert report["ok"] is False
     named = [f for f in report["findings"] if f["probe"] == probe and not f["handled"]]

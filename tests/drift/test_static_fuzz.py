@@ -325,4 +325,4 @@ def test_console_script_never_shows_a_traceback(slim: Slim, tmp_path: Path, dama
     elif damage == "metadata-corrupted":  # the version is unreadable; the facts are not, and they decide
         assert done.stdout.startswith("vllm-compat probe: vLLM ? (static")
     else:
-        assert ("UNHANDLED" in done.stdout or "UNKNOWN" in done.stdout) and "FAIL" in done.stdout.splitlines()[-1]
+        assert ("UNHANDLED" in done.stdout or "UNKNOWN" in done.stdout) and "verdict: FAIL" in done.stdout

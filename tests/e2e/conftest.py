@@ -130,8 +130,10 @@ def run_extract(
     compat: bool = True,
     env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
+    layers: str | None = None,
 ) -> Extraction:
-    """Run tests/e2e/extract.py in a fresh interpreter, as a user's script would run."""
+    """Run tests/e2e/extract.py in a fresh interpreter, as a user's script would run (``layers``: comma-separated
+    ids or ``default``; LAYERS unless given)."""
     calls_file = tmp / "calls.json"
     calls_file.write_text(json.dumps(calls))
     out = tmp / "out.pt"
@@ -143,7 +145,7 @@ def run_extract(
         "--calls",
         str(calls_file),
         "--layers",
-        ",".join(map(str, LAYERS)),
+        layers or ",".join(map(str, LAYERS)),
         "--out",
         str(out),
         "--dtype",

@@ -33,7 +33,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--calls", required=True, help="JSON list of calls, each a list of token-id lists")
-    parser.add_argument("--layers", required=True, help="comma-separated layer ids")
+    parser.add_argument("--layers", required=True, help="comma-separated layer ids, or 'default' (speculators' choice)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--no-compat", action="store_true", help="do not import vllm_compat")
@@ -56,7 +56,7 @@ def main() -> int:
         _force_dtype(gen_module, args.dtype)
     env_after_import = scoped_variables()
 
-    layer_ids = [int(x) for x in args.layers.split(",")]
+    layer_ids = None if args.layers == "default" else [int(x) for x in args.layers.split(",")]
     with open(args.calls) as f:
         calls = json.load(f)
     t_import = time.perf_counter()
@@ -88,6 +88,7 @@ def main() -> int:
             "init_seconds": t_init - t_import,
             "call_seconds": call_seconds,
             "vllm_dtype": vllm_dtype,
+            "layer_ids": list(generator.layer_ids),  # what speculators' script writes to data_config.json
             "prefix_caching": bool(generator.vllm_config.cache_config.enable_prefix_caching),
             "max_num_batched_tokens": generator.vllm_config.scheduler_config.max_num_batched_tokens,
             "block_hasher": getattr(generator, "block_hasher", None) is not None,

@@ -200,7 +200,6 @@ def scenario_constructor(gen_module: Any) -> None:
     cases: list[tuple[str, dict[str, Any], dict[str, str]]] = [
         ("layer_out_of_range", {"layer_ids": [0, 7]}, {}),
         ("layer_negative", {"layer_ids": [-1, 2]}, {}),
-        ("layer_duplicated", {"layer_ids": [2, 2]}, {}),
         ("layer_ids_empty", {"layer_ids": []}, {}),
         ("layer_id_not_an_int", {"layer_ids": [1.5]}, {}),
         ("model_path_missing", {"model_path": "/nonexistent/vllm-compat-test/model"}, {}),

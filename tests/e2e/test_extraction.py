@@ -42,7 +42,17 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
         assert worker["pid"] != run.data["status"]["pid"]
         assert worker["plugin_loaded"] and worker["installed"]
         assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"], worker
+    assert_route(run.data, "plugin", "the vllm_compat entry point")
     assert_variables_reach_the_workers_only(run.data)
+
+
+def assert_route(data: dict, route: str, said: str) -> None:
+    """status() names the route taken, in the generator's process and in each worker, and the summary says it."""
+    assert data["status"]["worker_route"] == route, data["status"]
+    assert [w["worker_route"] for w in data["workers"]] == [route] * len(data["workers"])
+    summary = [m for m in data["compat_log"] if m.startswith("INFO vllm-compat: vLLM ")]
+    assert len(summary) == 1 and f"workers reached through {said}" in summary[0], data["compat_log"]
+    assert "worker-extension-fallback" not in summary[0].split("; workers reached through")[0]
 
 
 def assert_variables_reach_the_workers_only(data: dict) -> None:
@@ -66,6 +76,7 @@ def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_pat
     for worker in run.data["workers"]:
         assert not worker["plugin_loaded"] and worker["installed"]
         assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"], worker
+    assert_route(run.data, "worker-extension-fallback", "vllm_compat.worker.HiddenStatesWorkerExtension")
     diff = max_diff(run.data["outputs"], calls[:2], reference)
     _record("fallback_max_abs_diff", diff)
     assert diff < TOLERANCE

@@ -112,8 +112,8 @@ def test_a_long_sequence_is_left_to_speculators() -> None:
         (None, None),
         ([0, 2, 3], None),
         ((0, 2), None),
-        ([2, 2], r"layer 2 is requested more than once.*Pass distinct layer ids"),
-        ([0, 3, 0], r"layer 0 is requested more than once"),
+        ([2, 2], None),  # repeated and unsorted ids are served as asked (states-per-requested-layer)
+        ([3, 0, 3], None),
         ([], r"layer_ids=\[\]\): no layer requested; pass at least one layer index, or None for the default layers"),
         ([1.5], r"layer_ids=\[1.5\]\): item 0 is 1.5 \(float\), not a layer index; layer ids must be ints"),
         ([0, True], r"item 1 is True \(bool\), not a layer index"),
@@ -163,6 +163,41 @@ def test_bad_layer_ids_stop_the_stand_in_before_it_starts(stand_in, layer_ids) -
         stand_in("/", layer_ids=layer_ids)
     with pytest.raises(ValueError, match="layer_ids="):
         stand_in("/", layer_ids)  # positional, as speculators' signature allows
+
+
+class ShallowGenerator(StandInGenerator):
+    """speculators' constructor on a 2-layer model: its default layers, then its own range check."""
+
+    def __init__(self, model_path: str, layer_ids=None, max_model_len: int = 2048) -> None:
+        num_layers = 2
+        self.layer_ids = [2, num_layers // 2, num_layers - 3, num_layers - 1] if layer_ids is None else layer_ids
+        for layer_id in self.layer_ids:
+            if layer_id < 0 or layer_id >= num_layers:
+                raise ValueError(f"Layer index {layer_id} out of bounds [0, {num_layers - 1}]")
+        self.started = True
+
+
+def test_a_default_that_does_not_fit_the_model_says_so() -> None:
+    """speculators' default [2, n // 2, n - 3, n - 1] on a 2-layer model: the error names the default, not layer 2."""
+    from vllm_compat.adapters.inputs import ConstructorChecks
+
+    module = types.ModuleType("stand_in_generator")
+    module.VllmHiddenStatesGenerator = type("G", (ShallowGenerator,), {})
+    adapter = ConstructorChecks()
+    adapter.apply(module)
+    try:
+        with pytest.raises(ValueError) as caught:
+            module.VllmHiddenStatesGenerator("/")
+        assert str(caught.value) == (
+            "VllmHiddenStatesGenerator(layer_ids=None): speculators' default layers [2, n // 2, n - 3, n - 1] are "
+            "[2, 1, -1, 1] for this 2-layer model, and need a model of at least 3 layers (Layer index 2 out of "
+            "bounds [0, 1]). Pass layer_ids, e.g. layer_ids=[0, 1]."
+        )
+        with pytest.raises(ValueError, match=r"^Layer index 5 out of bounds \[0, 1\]$"):  # asked for: speculators' own
+            module.VllmHiddenStatesGenerator("/", layer_ids=[5])
+        assert module.VllmHiddenStatesGenerator("/", layer_ids=[1, 0, 1]).layer_ids == [1, 0, 1]
+    finally:
+        adapter.revert()
 
 
 def test_tuples_are_taken_as_lists_are(stand_in) -> None:

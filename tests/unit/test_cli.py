@@ -39,6 +39,7 @@ TOP_KEYS = {
     "needed_unknown",
     "strict",
     "ok",
+    "vllm_range",
 }
 FINDING_KEYS = {
     "probe",
@@ -200,7 +201,77 @@ def test_table_names_the_unhandled_drift(new_field_tree: Path, capsys) -> None:
     row = next(line for line in out.splitlines() if line.strip().startswith("request.request_kwargs"))
     assert "drifted" in row and "UNHANDLED" in row
     assert NEW_FIELD in out  # the observed signature
-    assert out.rstrip().splitlines()[-1].endswith("FAIL")
+    assert out.splitlines()[1].startswith("verdict: FAIL: "), "the verdict comes first"
+    verdict = out.split("\nspeculators:")[0]
+    assert "not covered: " in verdict and "request.request_kwargs (vllm.v1.request.Request)" in verdict
+    assert "vLLM 9.9.9 is newer than the releases vllm-compat was tested on (0.11 to 0.33)" in out
+
+
+def test_the_table_shows_what_needs_a_look_and_all_on_request(new_field_tree: Path, capsys) -> None:
+    """Baseline rows are counted, not listed, unless --all; a long probe name keeps its column."""
+    source = ["probe", "--source", str(new_field_tree), "--speculators", "0.4.0.1"]
+    _rc, short, _err = run_main(source, capsys)
+    report = json.loads(run_main([*source, "--json"], capsys)[1])
+    shown = {f["probe"] for f in report["findings"] if f["state"] != "baseline"}
+    baseline = {f["probe"] for f in report["findings"] if f["state"] == "baseline"}
+    assert table_rows(short) == shown
+    assert "--all lists them" in short
+    _rc, everything, _err = run_main([*source, "--all"], capsys)
+    assert table_rows(everything) == shown | baseline
+    assert "--all lists them" not in everything
+
+
+def table_rows(table: str) -> set[str]:
+    """The probes of the table's rows: two spaces, the probe, its state, its cover, each in its column."""
+    import re
+
+    row = re.compile(r"^  (\S+) +(baseline|drifted|unknown) +(\S+)$")
+    return {m.group(1) for m in map(row.match, table.splitlines()) if m}
+
+
+@pytest.mark.parametrize(
+    ("version", "said"),
+    [
+        ("0.10.0", "vLLM 0.10.0 is older than the releases vllm-compat serves (0.11 to 0.33)"),
+        ("0.34.0", "vLLM 0.34.0 is newer than the releases vllm-compat was tested on (0.11 to 0.33)"),
+        ("0.33.1", None),
+        ("0.11.0", None),
+    ],
+)
+def test_a_release_outside_the_served_range_is_said_so(tmp_path: Path, version: str, said, capsys) -> None:
+    root = tmp_path / "tree"
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm/__init__.py").write_text("")
+    write_metadata(root, version)
+    _rc, table, _err = run_main(["probe", "--source", str(root), "--speculators", "0.4.0.1"], capsys)
+    report = json.loads(run_main(["probe", "--source", str(root), "--speculators", "0.4.0.1", "--json"], capsys)[1])
+    verdict = "\n".join(table.splitlines()[1:4]).replace("\n    ", " ")
+    if said is None:
+        assert "serves (" not in table and "tested on (" not in table
+        assert report["vllm_range"] == "inside"
+    else:
+        assert said in verdict
+        assert report["vllm_range"] == ("older" if version < "0.11" else "newer")
+
+
+def test_the_speculators_and_families_lines_read_as_sentences(new_field_tree: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "judge_line", lambda: LineVerdict(None, "absent"))
+    source = ["probe", "--source", str(new_field_tree)]
+    _rc, table, _err = run_main(source, capsys)
+    assert (
+        "speculators: none found here (no speculators code or metadata), so both lines are judged (0.3.0 and "
+        "0.4.0.1); --speculators VERSION judges one" in table
+    )
+    assert "model families judged: llama (others: --model PATH, --family NAME or --family all)" in table
+    _rc, table, _err = run_main([*source, "--speculators", "0.4.0.1", "--family", "all"], capsys)
+    assert "speculators: line 0.4.0.1, as given (--speculators)" in table
+    families = next(line for line in table.splitlines() if line.startswith("model families judged:"))
+    assert "others" not in families and "llama" in families and "gpt_oss" in families
+
+
+def test_live_goes_without_source(new_field_tree: Path, capsys) -> None:
+    rc, out, err = run_main(["probe", "--live", "--source", str(new_field_tree)], capsys)
+    assert rc == 2 and out == "" and "--live imports the installed vLLM" in err
 
 
 # -- the JSON report -------------------------------------------------------------------------------
@@ -290,7 +361,7 @@ def test_any_served_speculators_version_is_judged_as_its_line(
     assert report["speculators_lines"] == [line]
     assert report["speculators_version"] == asked
     assert _lines_judged(report) == {line}
-    judged = f"judged as the {line} line" if asked != line else "--speculators"
+    judged = f"judged as the {line} line" if asked != line else "as given (--speculators)"
     assert judged in report["speculators_judged"]
     _rc, table, _err = run_main(source, capsys)
     assert f"speculators: {report['speculators_judged']}" in table and f"speculators {line}:" in table
@@ -340,7 +411,7 @@ def test_strict_fails_on_unknown(vllm_tree, capsys) -> None:
 
     rc, out, _err = run_main([*args[:-1], "--strict"], capsys)  # the table says why
     assert rc == 1
-    assert "UNKNOWN" in out and "could not tell" in out and "strict" in out.splitlines()[-1]
+    assert "UNKNOWN" in out and "could not tell" in out and "strict" in out.splitlines()[1]
 
 
 @pytest.mark.wheels
