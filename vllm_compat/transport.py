@@ -16,7 +16,7 @@ How, and what the caller can rely on:
   (``SCM_RIGHTS``) and replies with a small :class:`StatesHandle` instead of the states.
 - Unpickling the handle in the generator's process opens the slab on a descriptor of its own, takes a shared lock on
   it and maps it *privately* (copy-on-write). speculators sees ``HandedOverStates`` over that mapping; its
-  ``.clone()`` of one maps that tensor's own bytes privately again: an independent plain tensor, no copy made
+  ``.clone()`` of one is a plain tensor whose storage is exactly that state's bytes of the mapping: no copy made
   (``VLLM_COMPAT_STATES=copy``: a real copy into ordinary memory instead, made with a few threads).
 - The worker writes a slab again only once no process holds a lock on it: the caller's lock goes when the last tensor
   over the slab goes (the kernel drops the locks of a process that dies; a forked child keeps the lock it inherited,
@@ -516,9 +516,8 @@ def receiver_address() -> str | None:
 
 
 class _Libc:
-    """``mmap``/``munmap`` from the C library: Python's ``mmap`` object keeps a duplicate file descriptor open for as
-    long as the mapping lives (one per returned tensor would exhaust the process's descriptors, and would hold the
-    slab's lock past the tensor's life)."""
+    """``mmap``/``munmap`` from the C library: the mapping's life is then the buffer's, and the lease (one descriptor
+    with its lock) is held by the buffer's finalizer alone."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them: no library search
@@ -535,25 +534,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class _Maps:
-    """The private mappings this process made for states, counted: each is one entry of ``vm.max_map_count``."""
+    """How many slab mappings this process holds (one per call whose states are alive here)."""
 
     def __init__(self) -> None:
         self.live = 0
-        self.limit: int | None = None  # read on first use, not when vllm_compat is imported
-        self.warned = False
-
-    def full(self) -> bool:
-        if self.limit is None:
-            self.limit = _max_map_count() // 2  # leave the other half to everything else in the process
-        return self.live >= self.limit
-
-
-def _max_map_count() -> int:
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 65530  # Linux's default
 
 
 _MAPS = _Maps()
@@ -598,38 +582,30 @@ def _unmap(addr: int, span: int, lease: _Lease) -> None:
     _MAPS.live -= 1
 
 
-def _tensor_over(lease: _Lease, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """A plain tensor over its own private mapping of the slab's bytes ``[offset, offset + nbytes)``."""
-    import torch
-
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    buffer, start = _map_private(lease, offset, nbytes)
-    return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(shape)
-
-
 class _Sources:
     """The slabs this process maps while speculators still holds their ``HandedOverStates``: the address range of
-    each slab's mapping -> its lease and the copies made ahead (copy mode), so ``clone()`` finds them."""
+    each slab's mapping -> the mapping (held weakly: it goes with its last tensor) and the copies made ahead (copy
+    mode), so ``clone()`` finds them."""
 
     def __init__(self) -> None:
-        self.by_address: dict[int, tuple[int, _Lease, dict[tuple[int, int], Any] | None]] = {}
+        self.by_address: dict[int, tuple[int, Any, dict[tuple[int, int], Any] | None]] = {}
         self.lock = threading.Lock()
 
-    def add(self, start: int, end: int, lease: _Lease, copies: dict[tuple[int, int], Any] | None) -> None:
+    def add(self, start: int, end: int, buffer: Any, copies: dict[tuple[int, int], Any] | None) -> None:
         with self.lock:
-            self.by_address[start] = (end, lease, copies)
+            self.by_address[start] = (end, weakref.ref(buffer), copies)
 
     def drop(self, start: int) -> None:
         with self.lock:
             self.by_address.pop(start, None)
 
-    def find(self, address: int) -> tuple[_Lease, int, dict[tuple[int, int], Any] | None] | None:
-        """(lease, offset in the slab, copies made ahead or None in map mode) of the slab mapped at ``address``."""
+    def find(self, address: int) -> tuple[Any, int, dict[tuple[int, int], Any] | None] | None:
+        """(mapping, offset in the slab, copies made ahead or None in map mode) of the slab mapped at ``address``."""
         with self.lock:
-            for start, (end, lease, copies) in self.by_address.items():
+            for start, (end, ref, copies) in self.by_address.items():
                 if start <= address < end:
-                    return lease, address - start, copies
+                    buffer = ref()
+                    return None if buffer is None else (buffer, address - start, copies)
         return None
 
 
@@ -666,7 +642,7 @@ def open_states(token: str, pid: int, serial: int, size: int, spec: Any, pieces:
         buffer = _map_private(lease, 0, size)[0]
         start = ctypes.addressof(buffer)
         copies = _copy_ahead(buffer, pieces) if copy_mode() else None
-        _SOURCES.add(start, start + size, lease, copies)
+        _SOURCES.add(start, start + size, buffer, copies)
         weakref.finalize(buffer, _SOURCES.drop, start).atexit = False
         block = torch.frombuffer(buffer, dtype=torch.uint8)
     return _replace(spec, Slot, lambda slot: _view(block, slot).as_subclass(handed))
@@ -724,30 +700,21 @@ def _copy_ahead(buffer: Any, pieces: list[tuple[int, int]]) -> dict[tuple[int, i
 
 
 def _own_copy(tensor: Any) -> Any:
-    """``tensor.clone()`` as an independent plain tensor: its bytes mapped again privately where possible (no copy),
-    the copy made ahead in copy mode, a real copy otherwise (not contiguous, written to since it was handed over, or
-    too many mappings live)."""
+    """``tensor.clone()`` as an independent plain tensor: a storage of exactly its bytes over the call's private
+    mapping (no copy: a write to it stays in it, as the mapping is private and no other tensor holds those bytes),
+    the copy made ahead in copy mode, or a real copy (not contiguous, or written to since it was handed over)."""
     import torch
 
     with torch._C.DisableTorchFunctionSubclass():
         plain = tensor.as_subclass(torch.Tensor)
-        nbytes = plain.numel() * plain.element_size()
         found = _SOURCES.find(plain.data_ptr()) if plain.numel() else None
         if found is not None and plain.is_contiguous() and plain._version == 0:
-            lease, offset, copies = found
-            if copies is not None:  # copy mode: the copy made ahead, once (a second clone is a real copy)
-                ahead = copies.pop((offset, nbytes), None)
-                if ahead is not None:
-                    return ahead.view(plain.dtype).view(plain.shape)
-            elif not _MAPS.full():
-                return _tensor_over(lease, offset, nbytes, plain.dtype, tuple(plain.shape))
-        if found is not None and found[2] is None and _MAPS.full() and not _MAPS.warned:
-            _MAPS.warned = True
-            logger.warning(
-                "states-through-shared-memory: %d returned state tensors are alive in this process; further states "
-                "are copied into ordinary memory (slower) to stay within vm.max_map_count.",
-                _MAPS.live,
-            )
+            buffer, offset, copies = found
+            if copies is None:
+                return torch.frombuffer(buffer, dtype=plain.dtype, count=plain.numel(), offset=offset).view(plain.shape)
+            ahead = copies.pop((offset, plain.numel() * plain.element_size()), None)  # copy mode: once
+            if ahead is not None:
+                return ahead.view(plain.dtype).view(plain.shape)
         return plain.clone()
 
 
@@ -764,8 +731,8 @@ def handed_over_type() -> type:
         """States as the worker handed them over, seen only by speculators' ``generate()``.
 
         speculators copies each state it returns (``h.clone().cpu()``, after slicing it by request on 0.3.0): its
-        ``clone()`` here maps the tensor's own bytes privately instead, an independent tensor that owns exactly
-        those bytes, at no copying cost. Indexing keeps the type; every other operation returns plain tensors.
+        ``clone()`` here is a plain tensor whose storage is exactly that state's bytes of the private mapping, at no
+        copying cost. Indexing keeps the type; every other operation returns plain tensors.
         """
 
         @classmethod
