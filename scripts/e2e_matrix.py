@@ -430,8 +430,9 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -
         )
         ok = done.returncode == 0
         record["tests"] = {"passed": int(ok), "failed": int(not ok), "skipped": 0, "errors": 0, "summary": "imports"}
+        last = (done.stderr.strip().splitlines() or [""])[-1][:300]
         record["results"] = [{"id": "imports", "outcome": "passed" if ok else "failed", "seconds": 0.0,
-                              "message": "" if ok else done.stderr.strip().splitlines()[-1][:300]}]  # fmt: skip
+                              "message": "" if ok else last}]  # fmt: skip
         applied = json.loads(done.stdout.strip().splitlines()[-1]) if ok else None
         record["adapters"] = {"parent": applied, "workers": None}  # no engine starts: no workers
         record["numbers"] = {}
