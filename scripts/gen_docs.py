@@ -161,7 +161,10 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
         f"(vLLM {cpu[0]} to {cpu[-1]}, both speculators lines) pass, {len(states['fail'])} fail, "
         f"{len(states['not run'])} not run"
     )
-    text += f" (runs of {dates[0]} to {dates[-1]})." if dates else "."
+    if dates:
+        text += f" (run on {dates[0]})." if dates[0] == dates[-1] else f" (runs of {dates[0]} to {dates[-1]})."
+    else:
+        text += "."
     no_cpu = sorted(matrix.NO_CPU_BUILD & set(releases))
     if no_cpu:
         text += (
