@@ -203,6 +203,7 @@ def save_report(path: Path, records: dict[str, dict]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp's file is private; the record is an ordinary file of the checkout
     os.replace(tmp, path)
 
 

@@ -21,6 +21,7 @@ import functools
 import importlib.util
 import inspect
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,13 +157,15 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
     cpu = [r for r in releases if r not in matrix.NO_CPU_BUILD]
     total = len(cpu) * len(LINES)
     dates = sorted(r["date"][:10] for r in e2e.values() if r.get("date"))
+    no_commit = [c for c in states["pass"] if not e2e[tuple(c.split("@"))].get("commit")]
     text = (
         f"End to end, on record ({link}): **{len(states['pass'])} of the {total} cells** with a vLLM CPU build "
-        f"(vLLM {cpu[0]} to {cpu[-1]}, both speculators lines) pass, {len(states['fail'])} fail, "
-        f"{len(states['not run'])} not run"
+        f"(vLLM {cpu[0]} to {cpu[-1]}, both speculators lines) pass"
+        + (f" ({len(no_commit)} of them in a run whose record names no commit)" if no_commit else "")
+        + f", {len(states['fail'])} fail, {len(states['not run'])} not run"
     )
     if dates:
-        text += f" (run on {dates[0]})." if dates[0] == dates[-1] else f" (runs of {dates[0]} to {dates[-1]})."
+        text += f"; records dated {dates[0]}" + ("." if dates[0] == dates[-1] else f" to {dates[-1]}.")
     else:
         text += "."
     no_cpu = sorted(matrix.NO_CPU_BUILD & set(releases))
@@ -440,7 +443,8 @@ def readme_with_summary(readme: str, summary: str) -> str:
         return readme
     head, rest = readme.split(SUMMARY_BEGIN, 1)
     _, tail = rest.split(SUMMARY_END, 1)
-    return f"{head}{SUMMARY_BEGIN}\n{summary}\n{SUMMARY_END}{tail}"
+    wrapped = textwrap.fill(summary, width=120, break_long_words=False, break_on_hyphens=False)
+    return f"{head}{SUMMARY_BEGIN}\n{wrapped}\n{SUMMARY_END}{tail}"
 
 
 # -- main -----------------------------------------------------------------------------------------------------------

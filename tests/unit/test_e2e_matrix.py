@@ -141,6 +141,7 @@ def test_the_record_file_keeps_every_cell_in_matrix_order(matrix, tmp_path: Path
     assert list(data["cells"]) == ["0.3.0@0.11.0", "0.4.0.1@0.32.0"]
     assert matrix.load_report(report) == records
     assert [p.name for p in report.parent.iterdir()] == ["e2e-matrix.json"]  # no temporary file left
+    assert report.stat().st_mode & 0o777 == 0o644
 
 
 def test_a_report_of_the_old_format_loads_without_commit(matrix, tmp_path: Path) -> None:

@@ -89,8 +89,9 @@ def test_the_summary_counts_what_the_records_hold(gen_docs) -> None:
     assert states["pass"] == ["0.3.0@0.11.0"] and states["fail"] == ["0.4.0.1@0.11.0"]
     assert len(states["not run"]) == 66 and states["import pass"] == ["0.4.0.1@0.33.0"]
     text = gen_docs.summary_sentence(e2e, releases, "the record")
+    assert "of them in a run whose record names no commit" not in text
     assert "**1 of the 68 cells** with a vLLM CPU build (vLLM 0.11.0 to 0.32.0" in text
-    assert "pass, 1 fail, 66 not run (runs of 2026-12-01 to 2026-12-02)" in text
+    assert "pass, 1 fail, 66 not run; records dated 2026-12-01 to 2026-12-02." in text
     assert "import-level check passes for 1 of 2 cells" in text
     section = "\n".join(gen_docs.e2e_section(e2e, releases))
     assert "- **0.4.0.1@0.11.0** (2026-12-01, `3b85374`): 1 failed, 13 passed in 600.0s" in section
@@ -105,6 +106,9 @@ def test_readme_summary_is_replaced_between_its_markers(gen_docs) -> None:
     readme = f"# x\n\n## What is covered\n\nintro\n\n{markers}\n\nrest\n"
     new = gen_docs.readme_with_summary(readme, "new claim")
     assert new == readme.replace("old claim", "new claim")
+    long = " ".join(["word"] * 60)
+    lines = gen_docs.readme_with_summary(readme, long).split(gen_docs.SUMMARY_BEGIN)[1].split(gen_docs.SUMMARY_END)[0]
+    assert " ".join(lines.split()) == long and max(map(len, lines.splitlines())) <= 120
     assert gen_docs.readme_with_summary("no markers", "new claim") == "no markers"
 
 
@@ -113,7 +117,8 @@ def test_readme_states_what_the_committed_record_holds(gen_docs) -> None:
     e2e = gen_docs.e2e_cells(gen_docs.DEFAULT_E2E_REPORT)
     summary = gen_docs.readme_summary(e2e, gen_docs.DEFAULT_VERSIONS)
     readme = (ROOT / "README.md").read_text()
-    assert f"{gen_docs.SUMMARY_BEGIN}\n{summary}\n{gen_docs.SUMMARY_END}" in readme
+    begin = readme.index(gen_docs.SUMMARY_BEGIN) + len(gen_docs.SUMMARY_BEGIN)
+    assert " ".join(readme[begin : readme.index(gen_docs.SUMMARY_END)].split()) == summary
 
 
 def test_probes_and_matrix_cover_the_same_releases(gen_docs) -> None:
