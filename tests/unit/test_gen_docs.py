@@ -78,7 +78,8 @@ def test_each_cell_says_pass_fail_or_not_run_and_when(gen_docs) -> None:
     assert gen_docs.e2e_text({**record("0.3.0", "0.17.0"), "commit": ""}).endswith("(no commit on record)")
 
 
-def test_the_summary_counts_what_the_records_hold(gen_docs) -> None:
+def test_the_summary_counts_what_the_records_hold(gen_docs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gen_docs, "E2E_NOTES", {"0.3.0@0.12.0": "no CPU build of that one (an example)"})
     releases = gen_docs.DEFAULT_VERSIONS
     e2e = {
         ("0.3.0", "0.11.0"): record("0.3.0", "0.11.0"),
@@ -96,7 +97,10 @@ def test_the_summary_counts_what_the_records_hold(gen_docs) -> None:
     section = "\n".join(gen_docs.e2e_section(e2e, releases))
     assert "- **0.4.0.1@0.11.0** (2026-12-01, `3b85374`): 1 failed, 13 passed in 600.0s" in section
     assert "  - `tests/e2e/test_extraction.py::test_tensor_parallel_2`: AssertionError: assert 1 == 2" in section
-    assert "- not on record yet (67): 0.3.0@0.11.1, 0.4.0.1@0.11.1," in section  # 66 e2e cells, 1 import cell
+    assert "- **0.3.0@0.12.0**: no CPU build of that one (an example)" in section
+    assert "- not on record yet (66): 0.3.0@0.11.1, 0.4.0.1@0.11.1, 0.3.0@0.11.2, 0.4.0.1@0.11.2, 0.4.0.1@0.12.0," in (
+        section
+    )  # 65 e2e cells and 1 import cell; the noted one is listed on its own
     for test in gen_docs.matrix_module().CORE_SUITE:
         assert f"- `{test}`" in section
 
