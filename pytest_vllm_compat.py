@@ -95,7 +95,7 @@ def _guard(config: pytest.Config) -> None:
         )
         return
     write(render_table(plan, origin, strict))
-    names = sorted({f.probe for f in (plan.unhandled if strict else plan.unhandled_drift)})
+    names = sorted({f.probe for f in plan.failing(strict)})
     pytest.exit(
         f"vllm-compat guard: vLLM {plan.vllm_version or '?'} ({origin}) has drift that no adapter covers: "
         f"{', '.join(names)}. See the probe report above; `vllm-compat probe` prints it too.",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from types import ModuleType
 from typing import Any
 
 from vllm_compat.adapters._kit import GENERATOR_MODULE, accepts, rewrite_kwargs
 
+from vllm_compat import runners
 from vllm_compat.adapter import Adapter
 from vllm_compat.errors import AdapterError
 from vllm_compat.patching import scoped_environ
@@ -90,38 +90,43 @@ class PrefixCachingOff(Adapter):
 
 
 class ForceV1ModelRunner(Adapter):
-    """Select the V1 model runner in vLLM's workers.
+    """Pin Model Runner V1 in vLLM's workers where vLLM would run V2 and the runner choice takes V1.
 
-    What broke: Model Runner V2 became the default (Qwen3 in 0.22.0, Llama in 0.23.0, all dense models in
-    0.25.0, every model in 0.29.0). V2 keeps the batch as a per-step local: there is no
-    ``model_runner.input_batch`` with ``req_id_to_index``, which speculators 0.4.0.1 (and vllm-compat's
-    per-request capture for 0.3.0) need to know which rows of a step belong to which request.
+    What changed: Model Runner V2 became the default (Qwen3 in 0.22.0, Llama in 0.23.0, all dense models in 0.25.0,
+    every model in 0.29.0). Where V1 still exists and its facts hold, vllm-compat runs the extraction on the runner
+    it chooses (vllm_compat/runners.py: V1 unless measurements or ``VLLM_COMPAT_MODEL_RUNNER=v2`` say otherwise);
+    this adapter pins V1 for it, which also makes drift in V2's internals harmless (V2 does not run).
     Where fixed: the environment (``VLLM_USE_V2_MODEL_RUNNER=0``), set while speculators' constructor runs: it builds
     VllmConfig and the Scheduler (which read it) and starts the workers (which inherit it). Other children of the
-    process, started later (a ``vllm serve``, say), keep vLLM's default. If the user forced V2 explicitly, fail closed.
+    process, started later (a ``vllm serve``, say), keep vLLM's default. If the environment asks for V2 by the time
+    the constructor runs, it refuses rather than run a runner the plan did not choose.
     """
 
     id = "model-runner-v1"
-    covers = {"config.model_runner_default": {"v2_default"}}
+    covers = {
+        "config.model_runner_default": {"v2_default"},
+        **{fact: {"changed"} for fact in runners.V2_FACTS},
+    }
+    relies_on = runners.V1_FACTS
     target = GENERATOR_MODULE
     first_vllm = "0.22.0 (Qwen3), 0.23.0 (Llama), 0.29.0 (all models)"
-    remove_when = "V1 is removed from vLLM; then capture must read V2's per-step InputBatch"
-    VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+    remove_when = "V1 is removed from vLLM (the runner choice then takes model-runner-v2)"
+    VARIABLE = runners.VLLM_ENV
 
     def apply(self, module: ModuleType) -> None:
-        self.refuse_forced_v2()  # at import already, where it can: before anything is built
+        self.refuse_other_runner()  # at import already, where it can: before anything is built
 
         def init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            self.refuse_forced_v2()
+            self.refuse_other_runner()
             with scoped_environ({self.VARIABLE: "0"}):
                 return wrapped(*args, **kwargs)
 
         self.wrap(module, "VllmHiddenStatesGenerator.__init__", init)
 
-    def refuse_forced_v2(self) -> None:
-        current = os.environ.get(self.VARIABLE)
-        if current is not None and current.strip().lower() in {"1", "true"}:
+    def refuse_other_runner(self) -> None:
+        want, source = runners.requested()
+        if want == "v2":
             raise AdapterError(
-                f"{self.VARIABLE}={current} selects Model Runner V2, which has no input_batch; speculators' "
-                f"worker extension cannot map captured rows to requests there. Unset {self.VARIABLE} or set it to 0."
+                f"{source} asks for Model Runner V2, but vllm-compat chose Model Runner V1 when speculators' generator "
+                f"was imported. Set {runners.ENV} (or {self.VARIABLE}) before importing speculators."
             )

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
-import re
 from types import ModuleType
 from typing import Any
 
 from vllm_compat.adapters._kit import WORKER_MODULE
 from vllm_compat.probes.model import FAMILIES
 
+from vllm_compat import capture
 from vllm_compat.adapter import Adapter
+from vllm_compat.batch_order import rows_of_step
 from vllm_compat.errors import AdapterError
+from vllm_compat.lines import judge_line
 
 logger = logging.getLogger("vllm_compat")
-_REQUEST_INDEX = re.compile(r"_(\d+)$")
 
 
 def base_model_of(model: Any) -> Any:
@@ -64,33 +65,38 @@ class EmbeddingMethodAlias(Adapter):
 
 
 class PerRequestCapture(Adapter):
-    """Attribute captured rows to requests, so speculators 0.3.0 gets each sequence's own states in input order.
+    """Put each request's captured rows in their place in the call as the steps run, for both speculators lines.
 
-    What broke (speculators issue #279, on every vLLM): 0.3.0 concatenates the captured rows of every step and
-    slices them by the input lengths, assuming the rows follow the input order. vLLM moves requests between batch
-    rows (``InputBatch.condense``/``swap_states``) and splits prompts across steps, so the slices can belong to
-    other sequences: silently wrong hidden states.
-    Where fixed: the worker extension. Each step's rows are split by request using the step's scheduler output and
-    ``input_batch.req_ids`` (the V1 runner's row order at forward time; see model-runner-v1), stored per request,
-    and ``_get_captured_states`` returns the per-layer concatenation in input order, which is what 0.3.0's slicing
-    assumes. Any inconsistency (a request missing from the batch, a short capture) raises instead of returning.
+    What broke: speculators 0.3.0 concatenates the captured rows of every step and slices them by the input lengths,
+    assuming the rows follow the input order (speculators issue #279, on every vLLM): vLLM moves requests between
+    batch rows (``InputBatch.condense``/``swap_states``) and splits prompts across steps, so the slices can belong to
+    other sequences: silently wrong hidden states. 0.4.0.1 sorts per-step metadata by V1's
+    ``input_batch.req_id_to_index``, which Model Runner V2 does not have; and both keep every step's captures on the
+    GPU until the call ends, then copy them again.
+    Where fixed: the worker extension. The generator's process sends the call's plan (its requests and prompt
+    lengths, call-plan-to-workers) in place of ``_reset_capture``; each step's rows are attributed to requests in the
+    model runner's own row order (vllm_compat.batch_order) and copied to their place in a call block laid out per
+    layer in input order (vllm_compat.capture), overlapped with the next step on a GPU. ``_get_captured_states``
+    returns what speculators' line expects: per layer, every sequence's rows in input order (0.3.0), or per request
+    its list of layers (0.4.0.1). A request missing from the step's batch, a short capture or a prompt not wholly
+    captured raises instead of returning.
     """
 
     id = "per-request-capture"
+    always = "each step's rows go to their request's place while the call runs (speculators groups them at its end)"
     covers = {"scheduler.batch_order": {"reorders"}}
-    speculators = "==0.3.*"
     target = WORKER_MODULE
     side = "worker"
     first_vllm = "0.11.0 (present in speculators 0.3.0's own baseline)"
-    remove_when = "speculators 0.3.x is no longer served"
+    remove_when = "speculators no longer uses the in-process generator (>= 0.5)"
 
     def apply(self, module: ModuleType) -> None:
         cls = module.HiddenStatesWorkerExtension
+        line = judge_line().line or "0.4.0.1"
 
         def setup(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = wrapped(*args, **kwargs)
-            ext._vllm_compat_states = {}
-            ext._vllm_compat_prompt_lens = {}
+            ext._vllm_compat_call = None
             ext._vllm_compat_step = None
             runner = ext.model_runner
             if not getattr(runner, "_vllm_compat_step_recorder", False):
@@ -105,82 +111,76 @@ class PerRequestCapture(Adapter):
 
                 runner.execute_model = execute_model
                 runner._vllm_compat_step_recorder = True
+            layer_ids = args[0] if args else kwargs.get("layer_ids", ())
+            _prepare_slabs(ext, layer_ids)
             return result
+
+        def begin_call(ext: Any, plan: list[tuple[str, int]]) -> None:
+            """speculators' ``_reset_capture``, then the call's plan (sent by the generator's process)."""
+            ext._reset_capture()
+            ext._vllm_compat_call = capture.CallCapture(plan, line)
 
         def store(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             step = getattr(ext, "_vllm_compat_step", None)
             if step is None:
                 return None  # a warm-up or profiling forward: not a scheduled step, nothing to capture
+            rows = rows_of_step(ext.model_runner, step)
+            if rows is None:
+                return None  # a step of no call (a runner's warm-up or dummy run): nothing to capture
+            call = getattr(ext, "_vllm_compat_call", None)
+            if call is None:
+                raise AdapterError(
+                    "per-request-capture: a step ran without the call's plan from the generator's process "
+                    "(call-plan-to-workers is not active there); refusing to guess which rows belong to which request"
+                )
             aux = args[0] if args else kwargs["aux_hidden_states"]
-            _store_step(ext, step, aux)
+            call.store(list(aux), rows)
             return None
 
         def reset(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             result = wrapped(*args, **kwargs)
-            ext._vllm_compat_states = {}
-            ext._vllm_compat_prompt_lens = {}
+            previous = getattr(ext, "_vllm_compat_call", None)
+            if previous is not None:
+                previous.release()  # a call that never collected (it failed): its slab goes back
+            ext._vllm_compat_call = None
             return result
 
         def collect(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            wrapped(*args, **kwargs)  # lets speculators clear its own buffers
-            return _collect_in_input_order(ext)
+            call = getattr(ext, "_vllm_compat_call", None)
+            if call is None or not call.stored:
+                return wrapped(*args, **kwargs)  # nothing captured here (another tensor-parallel rank)
+            ext._vllm_compat_call = None
+            wrapped(*args, **kwargs)  # lets speculators clear its own (empty) buffers
+            return capture.hand_over(call)
 
         self.wrap(cls, "_setup_hidden_states_capture", setup)
+        self.set_attr(cls, "_vllm_compat_begin_call", begin_call)
         self.wrap(cls, "_store_captured_states", store)
         self.wrap(cls, "_reset_capture", reset)
         self.wrap(cls, "_get_captured_states", collect)
 
 
-def _store_step(ext: Any, step: Any, aux: list[Any]) -> None:
-    runner = ext.model_runner
-    batch = runner.input_batch
-    scheduled: dict[str, int] = step.num_scheduled_tokens
-    rows = [rid for rid in list(batch.req_ids)[: batch.num_reqs] if rid in scheduled]
-    if len(rows) != len(scheduled):
-        raise AdapterError(
-            f"per-request-capture: the step scheduled {sorted(scheduled)} but the batch holds {rows}; "
-            "cannot attribute captured rows to requests"
-        )
-    total = sum(scheduled[rid] for rid in rows)
-    if any(h.shape[0] < total for h in aux):
-        raise AdapterError(f"per-request-capture: captured {aux[0].shape[0]} rows for {total} scheduled tokens")
-    offset = 0
-    for rid in rows:
-        n = scheduled[rid]
-        per_layer = ext._vllm_compat_states.setdefault(rid, [[] for _ in aux])
-        for layer, h in enumerate(aux):
-            per_layer[layer].append(h[offset : offset + n])
-        offset += n
-        if rid not in ext._vllm_compat_prompt_lens:
-            state = runner.requests.get(rid)
-            ext._vllm_compat_prompt_lens[rid] = len(state.prompt_token_ids) if state is not None else None
+def _prepare_slabs(ext: Any, layer_ids: Any) -> None:
+    """Have a slab for the first call made in the background while vLLM finishes starting (capturing rank only):
+    sized for a call of the scheduler's most sequences at the model's context length, the largest call a wave has."""
+    try:
+        from vllm.distributed import get_tp_group
 
+        if get_tp_group().rank_in_group != 0:
+            return
+        import torch
 
-def _collect_in_input_order(ext: Any) -> list[Any] | None:
-    import torch
-
-    states: dict[str, list[list[Any]]] = ext._vllm_compat_states
-    if not states:
-        return None
-
-    def index(rid: str) -> int:
-        found = _REQUEST_INDEX.search(rid)
-        if found is None:
-            raise AdapterError(f"per-request-capture: request id {rid!r} is not speculators' req_<call>_<i>")
-        return int(found.group(1))
-
-    ordered = sorted(states, key=index)
-    per_request = {rid: [torch.cat(chunks, dim=0) for chunks in states[rid]] for rid in ordered}
-    for rid in ordered:
-        expected = ext._vllm_compat_prompt_lens.get(rid)
-        got = per_request[rid][0].shape[0]
-        if expected is not None and got != expected:
-            raise AdapterError(
-                f"per-request-capture: request {rid} has {got} captured rows for a {expected}-token prompt "
-                "(was it aborted before its prefill finished?)"
-            )
-    layers = len(next(iter(per_request.values())))
-    result = [torch.cat([per_request[rid][layer] for rid in ordered], dim=0) for layer in range(layers)]
-    ext._vllm_compat_states = {}
-    ext._vllm_compat_prompt_lens = {}
-    return result
+        runner = ext.model_runner
+        config = getattr(ext, "vllm_config", None) or runner.vllm_config
+        model = config.model_config
+        itemsize = torch.empty(0, dtype=model.dtype).element_size()
+        rows = config.scheduler_config.max_num_seqs * model.max_model_len
+        size = len(set(layer_ids)) * capture.transport.aligned(rows * model.get_hidden_size() * itemsize)
+        device = getattr(runner, "device", None)
+        index = device.index if getattr(device, "type", None) == "cuda" else None
+        if index is None and getattr(device, "type", None) == "cuda":
+            index = torch.cuda.current_device()
+    except Exception as exc:  # no estimate: the first call makes its slab when it needs one
+        logger.debug("per-request-capture: no slab made ahead (%r)", exc)
+        return
+    capture.SLABS.prepare(size, index)

@@ -117,14 +117,25 @@ def prefix_caching_default(view: ApiView) -> Observation:
 @probe(
     "config.model_runner_default",
     symbol="vllm.config.VllmConfig.use_v2_model_runner",
-    summary="the V1 GPU model runner (with input_batch) runs the model",
+    summary="which model runner vLLM's workers use, and whether VLLM_USE_V2_MODEL_RUNNER pins it",
     expected=dict.fromkeys(LINES, "workers use the V1 model runner, which has input_batch.req_id_to_index"),
     accepts={key: {BASELINE, "v2_opt_in"} for key in LINES},
 )
 def model_runner_default(view: ApiView) -> Observation:
+    """Variants: ``baseline`` (only V1 exists), ``v2_opt_in`` (V2 exists, VLLM_USE_V2_MODEL_RUNNER=1 selects it),
+    ``v2_default`` (VllmConfig.use_v2_model_runner picks V2 for some or all models; the variable pins either),
+    ``v2_only`` (V1 is gone, or the chooser always answers V2), ``unpinned`` (the chooser ignores the variable).
+    Which runner vllm-compat then runs is decided from these and the runners' own facts (vllm_compat/runners.py)."""
+    has_v1 = view.has_module("vllm.v1.worker.gpu_model_runner")
     if not view.has_module("vllm.v1.worker.gpu.model_runner"):
+        if not has_v1:
+            return Observation.unknown("neither vllm.v1.worker.gpu_model_runner nor vllm.v1.worker.gpu exists")
         return Observation(BASELINE, "only the V1 model runner exists")
     v2 = view.locate("vllm.v1.worker.gpu.model_runner.GPUModelRunner")
+    if not has_v1:
+        return Observation(
+            "v2_only", "Model Runner V1 is gone (no vllm.v1.worker.gpu_model_runner): workers run V2", (evidence(v2),)
+        )
     chooser = view.locate("vllm.config.VllmConfig.use_v2_model_runner")
     if chooser is None:
         return Observation(
@@ -133,10 +144,34 @@ def model_runner_default(view: ApiView) -> Observation:
             (evidence(v2),),
         )
     tree = parse_source(view, "vllm.config.VllmConfig.use_v2_model_runner")
-    names = calls(tree[0]) if tree else set()
+    if tree is None:
+        return Observation.unknown("VllmConfig.use_v2_model_runner is not readable", evidence(chooser))
+    if _always_true(tree[0]):
+        return Observation("v2_only", "VllmConfig.use_v2_model_runner always answers True", (evidence(chooser),))
+    if "VLLM_USE_V2_MODEL_RUNNER" not in ast.unparse(tree[0]):
+        return Observation(
+            "unpinned",
+            "VllmConfig.use_v2_model_runner never reads VLLM_USE_V2_MODEL_RUNNER: the runner cannot be pinned",
+            (evidence(chooser),),
+        )
+    names = calls(tree[0])
     return Observation(
         "v2_default",
-        "VllmConfig.use_v2_model_runner picks Model Runner V2 by default for some or all models; "
-        "V2 has no input_batch (batch order is a per-step local)",
+        "VllmConfig.use_v2_model_runner picks Model Runner V2 by default for some or all models "
+        "(VLLM_USE_V2_MODEL_RUNNER pins either runner); V2 has no input_batch (batch order is a per-step local)",
         (evidence(chooser, ", ".join(sorted(n for n in names if "v2" in n.lower())[:3])), evidence(v2)),
+    )
+
+
+def _always_true(tree: ast.AST) -> bool:
+    """Whether a function's body, docstring aside, is ``return True``."""
+    func = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)), None)
+    if func is None:
+        return False
+    body = [s for s in func.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return (
+        len(body) == 1
+        and isinstance(body[0], ast.Return)
+        and isinstance(body[0].value, ast.Constant)
+        and body[0].value.value is True
     )

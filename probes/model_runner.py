@@ -1,6 +1,16 @@
-"""vllm.v1.worker: the worker and model-runner attributes the worker extension reads."""
+"""vllm.v1.worker: the model runners the capture runs on, and the attributes it reads of each.
+
+Model Runner V1 (``vllm.v1.worker.gpu_model_runner``) keeps the batch in ``model_runner.input_batch``, whose rows
+requests keep from step to step (moved by ``condense``/``swap_states``). Model Runner V2 (``vllm.v1.worker.gpu``, from
+vLLM 0.12.0) builds a fresh ``InputBatch`` for every step in ``prepare_inputs`` and orders its requests its own way
+(fewest scheduled tokens first); nothing outside ``execute_model`` holds it. The V2 facts below are what
+vllm-compat's V2 capture path relies on (``vllm_compat.batch_order``, adapters/model_runner.py): each is ``absent``
+where the release has no V2 (nothing to rely on, accepted), ``baseline`` where it holds.
+"""
 
 from __future__ import annotations
+
+import ast
 
 from vllm_compat.probes._kit import LINES, evidence, parse_source
 
@@ -9,6 +19,15 @@ from vllm_compat.findings import BASELINE, Observation, probe
 
 RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 BATCH = "vllm.v1.worker.gpu_input_batch.InputBatch"
+V1_MODULE = "vllm.v1.worker.gpu_model_runner"
+ABSENT = "absent"
+
+V2_MODULE = "vllm.v1.worker.gpu.model_runner"
+V2_RUNNER = f"{V2_MODULE}.GPUModelRunner"
+V2_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
+V2_STATES = "vllm.v1.worker.gpu.states.RequestState"
+V2_BATCH_FIELDS = ("req_ids", "num_reqs", "num_scheduled_tokens", "query_start_loc_np")
+V2_EXPECTED = "no Model Runner V2, or one that has this (what vllm-compat's V2 capture path reads)"
 
 
 @probe(
@@ -18,6 +37,8 @@ BATCH = "vllm.v1.worker.gpu_input_batch.InputBatch"
     expected=dict.fromkeys(LINES, "model_runner.model and model_runner.input_batch.req_id_to_index exist"),
 )
 def v1_attributes(view: ApiView) -> Observation:
+    if not view.has_module(V1_MODULE):
+        return Observation(ABSENT, f"Model Runner V1 is gone: there is no {V1_MODULE}")
     parsed = parse_source(view, f"{RUNNER}.__init__")
     if parsed is None:
         return Observation.unknown(f"{RUNNER}.__init__ is not readable")
@@ -38,4 +59,191 @@ def v1_attributes(view: ApiView) -> Observation:
         BASELINE,
         "input_batch, InputBatch.req_ids/req_id_to_index/num_reqs, execute_model (scheduler_output, ...)",
         (evidence(loc), evidence(view.locate(BATCH))),
+    )
+
+
+def _calls_of(tree: ast.AST, owner: str, name: str) -> list[ast.Call]:
+    """Calls ``owner.name(...)`` in ``tree`` (``self.prepare_inputs(...)``), in source order."""
+    found = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == name
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == owner
+    ]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def _batch_built_in_prepare_inputs(view: ApiView) -> tuple[ast.Call | None, ast.AST | None]:
+    """The ``InputBatch(req_ids=..., num_scheduled_tokens=..., ...)`` call in V2's ``prepare_inputs``, and its AST."""
+    parsed = parse_source(view, f"{V2_RUNNER}.prepare_inputs")
+    if parsed is None:
+        return None, None
+    tree = parsed[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "InputBatch":
+            return node, tree
+    return None, tree
+
+
+@probe(
+    "model_runner.v2_step_batch",
+    symbol=f"{V2_RUNNER}.prepare_inputs",
+    summary="V2 builds each step's InputBatch in prepare_inputs(scheduler_output, ...), with the requests in row order",
+    expected=dict.fromkeys(LINES, V2_EXPECTED),
+    accepts={key: {BASELINE, ABSENT} for key in LINES},
+)
+def v2_step_batch(view: ApiView) -> Observation:
+    """Where the V2 path reads a step's layout: the InputBatch that ``execute_model`` gets from ``prepare_inputs``."""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    loc = view.locate(f"{V2_RUNNER}.prepare_inputs")
+    params = [p.name for p in view.parameters(f"{V2_RUNNER}.prepare_inputs") or ()]
+    execute = parse_source(view, f"{V2_RUNNER}.execute_model")
+    fields = [p.name for p in view.parameters(V2_BATCH) or ()]
+    if loc is None or execute is None or not fields:
+        return Observation.unknown(f"{V2_RUNNER}.prepare_inputs, .execute_model or {V2_BATCH} is not readable")
+    built, _tree = _batch_built_in_prepare_inputs(view)
+    keywords = {k.arg for k in built.keywords} if built is not None else set()
+    problems = []
+    if not params or params[0] != "scheduler_output":
+        problems.append(f"prepare_inputs takes ({', '.join(params)}), not (scheduler_output, ...)")
+    if len(_calls_of(execute[0], "self", "prepare_inputs")) != 1:
+        problems.append("execute_model does not call self.prepare_inputs(...) exactly once")
+    problems += [f"InputBatch has no {f}" for f in V2_BATCH_FIELDS if f not in fields]
+    problems += [
+        f"prepare_inputs builds no InputBatch({k}=...)"
+        for k in ("req_ids", "num_scheduled_tokens")
+        if k not in keywords
+    ]
+    where = (
+        evidence(loc, "builds InputBatch(req_ids=, num_scheduled_tokens=, ...)"),
+        evidence(execute[1]),
+        evidence(view.locate(V2_BATCH), ", ".join(f for f in V2_BATCH_FIELDS if f in fields)),
+    )
+    if problems:
+        return Observation("changed", "; ".join(problems), where)
+    return Observation(
+        BASELINE,
+        "execute_model calls self.prepare_inputs(scheduler_output, ...) once per step; the InputBatch it returns "
+        "names the step's requests in row order (req_ids, num_scheduled_tokens, query_start_loc_np)",
+        where,
+    )
+
+
+@probe(
+    "model_runner.v2_row_layout",
+    symbol=f"{V2_RUNNER}.prepare_inputs",
+    summary="V2 lays a step's tokens out request after request, in InputBatch.req_ids order",
+    expected=dict.fromkeys(LINES, V2_EXPECTED),
+    accepts={key: {BASELINE, ABSENT} for key in LINES},
+)
+def v2_row_layout(view: ApiView) -> Observation:
+    """The batch's ``query_start_loc_np`` is the running sum of per-request token counts in ``req_ids`` order: request
+    i has rows [query_start_loc[i], query_start_loc[i + 1]) of every per-token tensor of the forward. (From 0.28 the
+    batch's ``num_scheduled_tokens`` may be an upper bound under adaptive draft verification; the layout is
+    ``query_start_loc_np``, which vllm-compat reads, and checks against the scheduler's counts.)"""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    built, tree = _batch_built_in_prepare_inputs(view)
+    loc = view.locate(f"{V2_RUNNER}.prepare_inputs")
+    if tree is None:
+        return Observation.unknown(f"{V2_RUNNER}.prepare_inputs is not readable")
+    given = {k.arg: k.value for k in built.keywords} if built is not None else {}
+    if "query_start_loc_np" not in given or "req_ids" not in given:
+        return Observation(
+            "changed", "prepare_inputs builds no InputBatch(req_ids=..., query_start_loc_np=...)", (evidence(loc),)
+        )
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "cumsum"
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and "num_scheduled_tokens" in node.args[0].id
+            and any(k.arg == "out" and "query_start_loc" in ast.unparse(k.value) for k in node.keywords)
+        ):
+            return Observation(
+                BASELINE,
+                f"query_start_loc = {ast.unparse(node)}, the token counts in req_ids order: each request's tokens "
+                "are one contiguous run of rows, in batch order",
+                (evidence(loc, ast.unparse(node)),),
+            )
+    return Observation(
+        "changed",
+        "prepare_inputs does not compute query_start_loc as the running sum of the scheduled token counts",
+        (evidence(loc),),
+    )
+
+
+@probe(
+    "model_runner.v2_eager_forward",
+    symbol=f"{V2_RUNNER}.execute_model",
+    summary="with CUDA graphs off, V2 runs the model module itself, after the step's batch is built",
+    expected=dict.fromkeys(LINES, V2_EXPECTED),
+    accepts={key: {BASELINE, ABSENT} for key in LINES},
+)
+def v2_eager_forward(view: ApiView) -> Observation:
+    """speculators replaces the base model's ``forward`` on the instance; V2 must call the module (``self.model(...)``)
+    so that forward runs, and only after ``prepare_inputs``, so the step's layout is known when it captures."""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    execute = parse_source(view, f"{V2_RUNNER}.execute_model")
+    if execute is None:
+        return Observation.unknown(f"{V2_RUNNER}.execute_model is not readable")
+    tree, loc = execute
+    forwards = _calls_of(tree, "self", "model")
+    prepared = _calls_of(tree, "self", "prepare_inputs")
+    if not forwards:
+        return Observation("changed", "execute_model never calls self.model(...)", (evidence(loc),))
+    if not prepared or not any(f.lineno > prepared[0].lineno for f in forwards):
+        return Observation(
+            "changed", "execute_model calls self.model(...) before self.prepare_inputs(...)", (evidence(loc),)
+        )
+    return Observation(
+        BASELINE,
+        f"execute_model calls {ast.unparse(forwards[-1])} after self.prepare_inputs(...) (eager mode: "
+        "enforce_eager=True, as speculators sets it)",
+        (evidence(loc),),
+    )
+
+
+@probe(
+    "model_runner.v2_request_states",
+    symbol=f"{V2_STATES}.req_id_to_index",
+    summary="V2 keeps its live requests in req_states.req_id_to_index and drops finished ones",
+    expected=dict.fromkeys(LINES, V2_EXPECTED),
+    accepts={key: {BASELINE, ABSENT} for key in LINES},
+)
+def v2_request_states(view: ApiView) -> Observation:
+    """Tells a scheduled step from a dummy forward (warm-up, profiling: its requests are not in ``req_states``), and
+    frees the slots of requests speculators aborts (``finished_req_ids``)."""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    init = view.source(f"{V2_RUNNER}.__init__")
+    states = view.source(f"{V2_STATES}.__init__")
+    runner = view.source(V2_RUNNER)
+    if init is None or states is None or runner is None:
+        return Observation.unknown(f"{V2_RUNNER} or {V2_STATES} is not readable")
+    problems = []
+    if "self.req_states" not in init.text:
+        problems.append("GPUModelRunner.__init__ sets no self.req_states")
+    if "self.req_id_to_index" not in states.text:
+        problems.append("RequestState has no req_id_to_index")
+    if view.locate(f"{V2_STATES}.remove_request") is None or "finished_req_ids" not in runner.text:
+        problems.append("finished requests are not removed (no RequestState.remove_request or finished_req_ids)")
+    where = (
+        evidence(view.locate(f"{V2_RUNNER}.__init__"), "self.req_states"),
+        evidence(view.locate(f"{V2_STATES}.__init__"), "self.req_id_to_index"),
+    )
+    if problems:
+        return Observation("changed", "; ".join(problems), where)
+    return Observation(
+        BASELINE,
+        "req_states.req_id_to_index holds the requests the runner was given (scheduled_new_reqs) until "
+        "finished_req_ids removes them",
+        where,
     )

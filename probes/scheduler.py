@@ -70,6 +70,8 @@ def loop_surface(view: ApiView) -> Observation:
 def batch_order(view: ApiView) -> Observation:
     """vLLM moves requests between batch rows (speculators issue #279)."""
     batch = "vllm.v1.worker.gpu_input_batch.InputBatch"
+    if not view.has_module("vllm.v1.worker.gpu_input_batch"):
+        return Observation("absent", "Model Runner V1's InputBatch is gone: there is no vllm.v1.worker.gpu_input_batch")
     members = view.members(batch)
     if members is None:
         return Observation.unknown(f"{batch} is not readable")

@@ -248,6 +248,8 @@ def adapters_page(adapters: dict[str, type[Adapter]]) -> str:
         "adapter next to each.",
         "- **always**: set for an adapter no vLLM finding calls for; it checks its own run-time condition, "
         "given here, and patches nothing when the condition does not hold.",
+        "- **relies on**: the facts (`relies_on`) that must hold for the adapter to be taken; a companion (`with X`) "
+        "is applied exactly where the plan takes adapter X.",
         "- **side**: `parent` (the process that builds the generator) or `worker` (every vLLM worker process, "
         "reached through the `vllm.general_plugins` entry point or the fallback worker extension).",
         "- **target**: the module whose import applies it (a post-import hook).",
@@ -259,7 +261,7 @@ def adapters_page(adapters: dict[str, type[Adapter]]) -> str:
     for cls in ordered:
         out.append(
             f"| [`{cls.id}`](#{anchor(cls.id)}) | {cls.side} | `{cls.speculators}` | {plain(cls.first_vllm) or '-'} | "
-            f"{covers_text(cls) or 'always'} |"
+            f"{covers_text(cls) or (f'with `{cls.companion_of}`' if cls.companion_of else 'always')} |"
         )
     for module in sorted(by_module):
         doc = inspect.getdoc(sys.modules[module]) or ""
@@ -269,8 +271,13 @@ def adapters_page(adapters: dict[str, type[Adapter]]) -> str:
         for cls in by_module[module]:
             out += [f"### {cls.id}", "", f"`{cls.__module__}.{cls.__qualname__}`", ""]
             rows = [
-                ("covers", covers_text(cls) or "-"),
+                ("covers", covers_text(cls) or (f"applied with `{cls.companion_of}`" if cls.companion_of else "-")),
                 ("always", plain(cls.always) or "-"),
+                (
+                    "relies on",
+                    "; ".join(f"`{p}`: {', '.join(f'`{v}`' for v in sorted(vs))}" for p, vs in cls.relies_on.items())
+                    or "-",
+                ),
                 ("speculators", f"`{cls.speculators}`"),
                 ("side", cls.side),
                 ("target", f"`{cls.target}`"),

@@ -33,6 +33,13 @@ class Adapter:
       always:      non-empty for an adapter that no vLLM finding calls for: a speculators defect or a
                    run-time condition (such as vLLM's CPU platform) that the adapter checks itself.
                    The text says why; the report shows it.
+      order:       adapters of one target are applied in ascending order (then in registry order); a wrapper
+                   applied later sits outside those applied before it.
+      relies_on:   probe id -> the variants under which the adapter's patch is right. A plan takes the adapter for
+                   a drift only where every such fact holds (an unknown fact does not): otherwise the next adapter
+                   that covers the drift, or none (the drift is unhandled, and the report names the fact).
+      companion_of: the id of another adapter this one is the other half of (its worker side, say): applied
+                   exactly where the plan takes that adapter; it covers nothing itself.
     The class docstring says what broke, why it is fixed at this place, and upstream references.
     """
 
@@ -44,6 +51,9 @@ class Adapter:
     first_vllm: ClassVar[str] = ""
     remove_when: ClassVar[str] = "speculators no longer uses the in-process generator (>= 0.5)"
     always: ClassVar[str] = ""
+    order: ClassVar[int] = 0
+    relies_on: ClassVar[Mapping[str, frozenset[str]]] = {}
+    companion_of: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -52,6 +62,7 @@ class Adapter:
         if cls.id in _REGISTRY and _REGISTRY[cls.id].__qualname__ != cls.__qualname__:
             raise ValueError(f"duplicate adapter id {cls.id!r}")
         cls.covers = {k: frozenset(v) for k, v in getattr(cls, "covers", {}).items()}
+        cls.relies_on = {k: frozenset(v) for k, v in getattr(cls, "relies_on", {}).items()}
         _REGISTRY[cls.id] = cls
 
     def __init__(self) -> None:

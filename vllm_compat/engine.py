@@ -165,7 +165,7 @@ class _Engine:
                 return
             if line is None:
                 return  # nothing to adapt: speculators absent or a release we do not serve
-            for cls in load_adapters().values():
+            for cls in sorted(load_adapters().values(), key=lambda c: c.order):
                 if cls.target == module.__name__ and cls.id not in self.applied:
                     self._maybe_apply(cls, module, line)
             self._guard_missing_names(module, line)
@@ -208,9 +208,13 @@ class _Engine:
         if not cls.serves(line):
             return
         reasons = [f"always: {cls.always}"] if cls.always else []
-        for probe_id in cls.covers:
+        # the plan's choice: an adapter applies where a finding names it (or, for a companion, names the adapter it
+        # is the other half of), not wherever it could cover a variant (runner adapters are alternatives)
+        chosen = cls.companion_of or cls.id
+        principal = load_adapters().get(cls.companion_of) if cls.companion_of else cls
+        for probe_id in principal.covers if principal is not None else ():
             finding = self._finding(probe_id, line)
-            if finding is not None and finding.state is State.DRIFTED and cls.covers_variant(probe_id, finding.variant):
+            if finding is not None and finding.adapter == chosen:
                 reasons.append(f"{probe_id}: {finding.observed}")
         if not reasons:
             return
@@ -252,10 +256,16 @@ class _Engine:
             return
 
         def guarded_init(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+            from vllm_compat import transport  # imported here: `import vllm_compat` stays light
+
             families = model_families(kwargs.get("model_path", args[0] if args else None))
             # The constructor starts vLLM's workers: they inherit the opt-in for the plugin and the model's families
             # (they judge and adapt those only). Set for the call only, so no other child of this process gets them.
-            environ = {ENV_ACTIVE: "1", ENV_FAMILIES: ",".join(families) if families else None}
+            environ = {
+                ENV_ACTIVE: "1",
+                ENV_FAMILIES: ",".join(families) if families else None,
+                transport.ENV_SOCKET: transport.receiver_address(),  # where the workers hand their states over
+            }
             with scoped_environ(environ):
                 self.worker_route = _workers_route()
                 self.check(where=f"{GUARD_PATH} (before the model loads)", families=families)

@@ -98,7 +98,7 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list
             "generator's guard would stop the run"
         )
     if not plan.passes(strict):
-        failing = plan.unhandled if strict else plan.unhandled_drift
+        failing = plan.failing(strict)
         notes.append(f"not covered: {', '.join(sorted({f'{f.probe} ({f.symbol})' for f in failing}))}")
         notes.append(
             "what to do: each row below says what speculators expects and what this vLLM has (observed, with "

@@ -1,4 +1,4 @@
-"""Hand captured states from a vLLM worker to the generator's process through shared memory.
+"""Hand a call's captured states from a vLLM worker to the generator's process at the speed of the bus.
 
 Why: speculators returns every captured state in the reply of ``collective_rpc``, which vLLM pickles through its
 message queue (GPU -> host -> serialised -> chunks -> rebuilt), then copies once more (``.clone().cpu()``). On an
@@ -6,26 +6,32 @@ H200 that reply was most of the extraction time.
 
 How, and what the caller can rely on:
 
-- The worker writes one call's states into a *fresh* file in ``/dev/shm`` (made ahead of time by a thread, so its
-  pages are ready) and replies with a small :class:`StatesHandle`. It holds a shared ``flock`` on every file it owns;
-  once a file is handed over it never writes to it again.
-- Unpickling the handle in the generator's process opens the file without following links, checks it is the very
-  file the worker made (owner, device, inode), removes its name and maps it *privately* (copy-on-write). speculators
-  sees ``HandedOverStates`` tensors over that mapping; its ``.clone()`` of one maps that tensor's own bytes privately
-  again: an independent tensor, with no copy made.
-- So each tensor ``generate()`` returns owns exactly its bytes: ``torch.save`` or pickling one writes that tensor
-  alone; a write to it is private to it (and to the process that makes it: ``fork()`` gives the child a
-  copy-on-write snapshot); no other process, and no later call, can change it. Its memory is the kernel's to free
-  once no process maps the call's file any more.
-- A file is removed by a cleaner only when no process holds its lock: the kernel drops the locks of a process that
-  dies, so that is proof its owner is gone, whatever PID namespace or container it ran in.
+- The worker keeps a few *slabs*: anonymous shared memory (``memfd_create``: no name in any file system, so no
+  cleaner can remove it and nothing is left behind when a process dies), each mapped once, registered with CUDA as
+  pinned memory once, and sealed: its size can never change and no process can open it for writing
+  (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE``); only the mapping the worker made before sealing writes.
+- While a call's steps run, each step's captured rows are copied to their place in the call's slab
+  (vllm_compat.capture lays a call out): on a GPU by DMA on a side stream, overlapped with the steps that follow.
+- At the end of the call the worker passes the slab's descriptor to the generator's process over a Unix socket
+  (``SCM_RIGHTS``) and replies with a small :class:`StatesHandle` instead of the states.
+- Unpickling the handle in the generator's process opens the slab on a descriptor of its own, takes a shared lock on
+  it and maps it *privately* (copy-on-write). speculators sees ``HandedOverStates`` over that mapping; its
+  ``.clone()`` of one maps that tensor's own bytes privately again: an independent plain tensor, no copy made
+  (``VLLM_COMPAT_STATES=copy``: a real copy into ordinary memory instead, made with a few threads).
+- The worker writes a slab again only once no process holds a lock on it: the caller's lock goes when the last tensor
+  over the slab goes (the kernel drops the locks of a process that dies; a forked child keeps the lock it inherited,
+  as it keeps its snapshot of the tensors).
+
+So each tensor ``generate()`` returns owns exactly its bytes: ``torch.save`` or pickling one writes that tensor alone;
+a write to it is private to it and to the process that makes it (``fork()`` gives the child a copy-on-write
+snapshot); no other process and no later call can change it, and its memory goes when the last process mapping it
+drops it. The slabs are not in /dev/shm: filling them never takes the room vLLM's own message queues need there.
 
 Nothing here imports torch until it is used.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import errno
@@ -33,47 +39,57 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
+import secrets
+import socket
+import struct
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "PREFIX",
-    "SHM_DIR",
+    "ENV_MODE",
+    "ENV_PINNED_LIMIT",
+    "ENV_SOCKET",
+    "Slab",
+    "Slabs",
     "Slot",
     "StatesHandle",
-    "StatesWriter",
     "TransportError",
-    "aligned",
     "handed_over_type",
-    "layout",
     "open_states",
-    "remove_dead_files",
+    "receiver_address",
+    "send_slab",
+    "worker_stats",
 ]
 
 logger = logging.getLogger("vllm_compat")
 
-SHM_DIR = "/dev/shm"  # POSIX shared memory on Linux, where vLLM runs
-PREFIX = "vllm_compat_states_"
+ENV_SOCKET = "VLLM_COMPAT_STATES_SOCKET"  # the generator's receiving socket; set while its constructor starts workers
+ENV_MODE = "VLLM_COMPAT_STATES"  # "map" (default): returned states map the slab privately; "copy": ordinary memory
+ENV_PINNED_LIMIT = "VLLM_COMPAT_PINNED_LIMIT_GIB"  # at most this much slab memory is registered with CUDA per worker
+
 _ALIGN = 64  # every tensor starts on a 64-byte boundary: aligned for any dtype and for vectorised copies
-_STEP = 2 << 20  # file sizes are whole 2 MiB pages
+_STEP = 2 << 20  # slab sizes are whole 2 MiB
 _PAGE = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page up front: no page faults while copying
-_HEADROOM = 4  # a spare file is 1 + 1/4 the size of the last call's states, so a somewhat longer call fits
+_F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_HELLO = struct.Struct("<4s32sI")  # magic, worker token (hex), worker pid
+_MAGIC = b"VCS1"
+_HEADER = struct.Struct("<QQ")  # serial, size: sent with each slab's descriptor
+_RECV_TIMEOUT = 30.0
 
 
 class TransportError(RuntimeError):
-    """The states file handed over is not the one the worker made, or cannot be mapped."""
+    """The states the worker handed over cannot be received or are not what the worker said they are."""
 
 
 @dataclass(frozen=True)
 class Slot:
-    """Where one tensor lies in a states file."""
+    """Where one tensor lies in a slab."""
 
     offset: int
     nbytes: int
@@ -81,12 +97,428 @@ class Slot:
     shape: tuple[int, ...]
 
 
-# -- memory maps the tensors own -----------------------------------------------------------------------------------
+def aligned(nbytes: int) -> int:
+    """The room a tensor of ``nbytes`` takes in a slab (the next one starts aligned)."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _round(n: int, step: int = _STEP) -> int:
+    return max(-(-n // step) * step, step)
+
+
+# -- the worker's side ---------------------------------------------------------------------------------------------
+
+
+class Slab:
+    """Sealed anonymous shared memory the worker writes a call's states into; handed over by descriptor."""
+
+    def __init__(self, fd: int, size: int, mapping: mmap.mmap, block: Any, pinned: bool, device: int | None) -> None:
+        self.fd, self.size, self.mapping, self.block = fd, size, mapping, block
+        self.pinned, self.device = pinned, device
+        self.serial = 0  # how many times it was handed over
+        self.busy = False  # taken by a call whose states are being written
+        self.handed = False  # handed over, and maybe still mapped by the generator's process
+
+    @classmethod
+    def make(cls, size: int, device: int | None, pin: bool) -> Slab:
+        """A slab of ``size`` bytes (whole 2 MiB) with every page in place; OSError where memory is short."""
+        size = _round(size)
+        fd = os.memfd_create("vllm-compat-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # ENOMEM/ENOSPC now, not SIGBUS at the first write
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            _seal(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        import torch
+
+        block = torch.frombuffer(mapping, dtype=torch.uint8)
+        pinned = pin and device is not None and _pin(block, device)
+        return cls(fd, size, mapping, block, pinned, device)
+
+    def is_free(self) -> bool:
+        """Whether the worker may write it: not in use by a call, and never handed over or no process holds a lock on
+        it any more."""
+        if self.busy:
+            return False
+        if not self.handed:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.handed = False
+        return True
+
+    def view(self, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+        return self.block.narrow(0, offset, nbytes).view(dtype).view(shape)
+
+    def close(self) -> None:
+        if self.block is None:
+            return
+        if self.pinned:
+            _unpin(self.block, self.device)
+        self.block = None
+        with contextlib.suppress(BufferError, ValueError):
+            self.mapping.close()  # a view still alive (BufferError): the mapping goes with it
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+
+
+def _seal(fd: int) -> None:
+    """Fix the slab's size and forbid every later write but through the worker's mapping (where the kernel can)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | _F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # a kernel before 5.1 knows no future-write seal: seal the size only
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+
+
+def _pin(block: Any, device: int) -> bool:
+    """Register the slab with CUDA (page-locked), so copies from the GPU into it are asynchronous DMAs."""
+    import torch
+
+    try:
+        with torch.cuda.device(device):
+            result = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), block.numel(), 0)
+    except Exception as exc:  # no CUDA runtime binding: copies still work, at pageable speed
+        logger.debug("states-through-shared-memory: cannot pin a slab (%r)", exc)
+        return False
+    ok = int(getattr(result, "value", result)) == 0
+    if not ok:
+        logger.debug("states-through-shared-memory: cudaHostRegister returned %s; slab left pageable", result)
+    return ok
+
+
+def _unpin(block: Any, device: int | None) -> None:
+    import torch
+
+    with contextlib.suppress(Exception), torch.cuda.device(device):
+        torch.cuda.cudart().cudaHostUnregister(block.data_ptr())
+
+
+def _pinned_limit() -> int:
+    """The most slab memory one worker registers with CUDA: VLLM_COMPAT_PINNED_LIMIT_GIB, else a quarter of RAM."""
+    value = os.environ.get(ENV_PINNED_LIMIT, "").strip()
+    if value:
+        try:
+            return int(float(value) * 2**30)
+        except ValueError:
+            logger.warning("vllm-compat: %s=%r is not a number of GiB; using the default", ENV_PINNED_LIMIT, value)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+class Slabs:
+    """A worker's slabs: a call takes the smallest free one that fits, and one spare is kept ready by a thread.
+
+    Host memory: the slabs the generator's process still maps (its live results, exactly as large as ordinary
+    tensors holding them would be) plus at most one free slab. Pinned memory: at most ``_pinned_limit()``; slabs
+    beyond it stay pageable (copies into them are synchronous, slower).
+    """
+
+    def __init__(self) -> None:
+        self.slabs: list[Slab] = []
+        self.lock = threading.Lock()
+        self.maker: threading.Thread | None = None
+        self.device: int | None = None
+        self.expected = 0  # the size spares are made for: the largest call so far
+        self.limit: int | None = None
+        self.warned_unpinned = False
+
+    def pinned_bytes(self) -> int:
+        return sum(s.size for s in self.slabs if s.pinned)
+
+    def _make(self, size: int) -> Slab:
+        if self.limit is None:
+            self.limit = _pinned_limit()
+        pin = self.device is not None and self.pinned_bytes() + _round(size) <= self.limit
+        if self.device is not None and not pin and not self.warned_unpinned:
+            self.warned_unpinned = True
+            logger.warning(
+                "states-through-shared-memory: the worker's pinned states memory would pass %.1f GiB (%s); further "
+                "slabs are pageable and copies into them slower. Drop or save earlier results sooner, or raise %s.",
+                self.limit / 2**30,
+                "held by results still alive in the generator's process",
+                ENV_PINNED_LIMIT,
+            )
+        return Slab.make(size, self.device, pin)
+
+    def prepare(self, size: int, device: int | None) -> None:
+        """Make, in a thread, a free slab of at least ``size`` bytes (an estimate, before the first call); later spares
+        follow the calls actually made."""
+        self.device = device
+        if not self.expected:
+            self._spare_in_background(size, headroom=False)
+
+    def take(self, size: int) -> tuple[Slab, dict[str, Any]]:
+        """A free slab of at least ``size`` bytes for one call (made now only where none is ready)."""
+        started = time.perf_counter()
+        slab = self._take_free(size)
+        maker = self.maker
+        if slab is None and maker is not None:
+            maker.join()  # a spare on its way: it is what this call needs
+            slab = self._take_free(size)
+        waited = time.perf_counter() - started
+        made = slab is None
+        if slab is None:
+            slab = self._make(size)
+        with self.lock:
+            self.slabs.append(slab)
+            slab.busy = True  # in use by this call until it is handed over (or given back)
+        self.expected = max(self.expected, size)
+        self._retire_extra(keep=slab)
+        self._spare_in_background(self.expected)
+        return slab, {"waited_seconds": waited, "made_now": made, "slab_bytes": slab.size, "pinned": slab.pinned}
+
+    def _take_free(self, size: int) -> Slab | None:
+        with self.lock:
+            free = [s for s in self.slabs if s.size >= size and s.is_free()]
+            slab = min(free, key=lambda s: s.size) if free else None
+            if slab is not None:
+                self.slabs.remove(slab)
+        return slab
+
+    def _spare_in_background(self, want: int, headroom: bool = True) -> None:
+        """Where no free slab of ``want`` bytes is ready, start making one (with room for a somewhat longer call)."""
+        if not want or (self.maker is not None and self.maker.is_alive()):
+            return
+        with self.lock:
+            if any(s.size >= want and s.is_free() for s in self.slabs):
+                return
+        size = want + want // 4 if headroom else want
+
+        def run() -> None:
+            try:
+                slab = self._make(size)
+            except OSError as exc:
+                logger.debug("states-through-shared-memory: no spare slab (%s)", exc)
+                return
+            with self.lock:
+                self.slabs.append(slab)
+
+        self.maker = threading.Thread(target=run, name="vllm_compat_slab", daemon=True)
+        self.maker.start()
+
+    def _retire_extra(self, keep: Slab) -> None:
+        """Close free slabs but one, the smallest that fits the largest call so far (the spare): memory the caller
+        gave back goes back, and a slab made for an estimate goes once the calls are known to be smaller."""
+        with self.lock:
+            free = sorted((s for s in self.slabs if s is not keep and s.is_free()), key=lambda s: s.size)
+            fitting = [s for s in free if s.size >= self.expected]
+            spare = fitting[0] if fitting else (free[-1] if free else None)
+            extra = [s for s in free if s is not spare]
+            for slab in extra:
+                self.slabs.remove(slab)
+        for slab in extra:
+            slab.close()
+
+    def close(self) -> None:
+        if self.maker is not None:
+            self.maker.join(timeout=30)
+        with self.lock:
+            slabs, self.slabs = self.slabs, []
+        for slab in slabs:
+            slab.close()
+
+
+class _Channel:
+    """The worker's connection to the generator's process, over which slab descriptors travel."""
+
+    def __init__(self, address: str) -> None:
+        self.token = secrets.token_hex(16)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(address)
+            self.sock.sendall(_HELLO.pack(_MAGIC, self.token.encode(), os.getpid()))
+        except OSError:
+            self.sock.close()
+            raise
+        self.lock = threading.Lock()
+
+    def send(self, serial: int, size: int, fd: int) -> None:
+        with self.lock:
+            socket.send_fds(self.sock, [_HEADER.pack(serial, size)], [fd])
+
+
+_CHANNEL: list[_Channel | None] = []
+_STATS: dict[str, Any] = {}
+
+
+def _channel() -> _Channel | None:
+    """This worker's channel to the generator's process (None where it has none: the states then take the RPC
+    reply, the slow way)."""
+    if _CHANNEL:
+        return _CHANNEL[0]
+    address = os.environ.get(ENV_SOCKET)
+    channel = None
+    if address:
+        try:
+            channel = _Channel(_decode_address(address))
+        except OSError as exc:
+            logger.warning(
+                "states-through-shared-memory: cannot reach the generator's process at its socket (%s); captured "
+                "states go through vLLM's message queue instead (slower)",
+                exc.strerror or exc,
+            )
+    _CHANNEL.append(channel)
+    return channel
+
+
+def send_slab(slab: Slab, used: int, spec: Any, pieces: list[tuple[int, int]]) -> StatesHandle | None:
+    """Hand ``used`` bytes of ``slab`` over: its descriptor goes to the generator's process now, the returned handle
+    travels in the RPC reply. None where this worker has no channel (the caller then replies the usual way)."""
+    channel = _channel()
+    if channel is None:
+        return None
+    slab.serial += 1
+    slab.handed, slab.busy = True, False  # from now on, the generator's process's lock says when it is free
+    try:
+        channel.send(slab.serial, used, slab.fd)
+    except OSError as exc:
+        raise TransportError(f"cannot pass the states' descriptor to the generator's process ({exc})") from exc
+    return StatesHandle(channel.token, os.getpid(), slab.serial, used, spec, pieces)
+
+
+def worker_stats() -> dict[str, Any]:
+    """The last call's hand-over in this worker: bytes, seconds (exposed, after the call's last step),
+    overlapped_seconds (spent during the steps), slab_reused, made_now, waited_seconds, pinned, direct."""
+    return dict(_STATS)
+
+
+def record_stats(**values: Any) -> None:
+    _STATS.clear()
+    _STATS.update(values)
+
+
+class StatesHandle:
+    """A picklable handle to one call's states; unpickling it (in the generator's process) receives the slab."""
+
+    def __init__(self, token: str, pid: int, serial: int, size: int, spec: Any, pieces: list[tuple[int, int]]) -> None:
+        self.token, self.pid, self.serial, self.size, self.spec, self.pieces = token, pid, serial, size, spec, pieces
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (open_states, (self.token, self.pid, self.serial, self.size, self.spec, self.pieces))
+
+
+# -- the generator's side: receiving -------------------------------------------------------------------------------
+
+
+def _encode_address(address: str) -> str:
+    return "@" + address[1:] if address.startswith("\0") else address
+
+
+def _decode_address(text: str) -> str:
+    return "\0" + text[1:] if text.startswith("@") else text
+
+
+class _Receiver:
+    """The generator's process's socket: workers connect once and send each slab's descriptor before their reply."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        name = f"\0vllm-compat-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file, gone with the process
+        self.listener.bind(name)
+        self.listener.listen(128)
+        self.address = _encode_address(name)
+        self.pid = os.getpid()
+        self.conns: dict[str, socket.socket] = {}
+        self.lock = threading.Lock()
+
+    def receive(self, token: str, pid: int, serial: int, size: int) -> int:
+        """The descriptor the worker ``token`` sent for hand-over ``serial``."""
+        deadline = time.monotonic() + _RECV_TIMEOUT
+        with self.lock:
+            conn = self.conns.get(token) or self._accept_until(token, pid, deadline)
+            while True:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 1)
+                except (TimeoutError, OSError) as exc:
+                    raise TransportError(
+                        f"no states descriptor from worker pid {pid} (hand-over {serial}): {exc}. Did the worker die?"
+                    ) from exc
+                if len(msg) != _HEADER.size or len(fds) != 1:
+                    for fd in fds:
+                        os.close(fd)
+                    raise TransportError(f"worker pid {pid} sent a malformed states message ({len(msg)} bytes)")
+                got, got_size = _HEADER.unpack(msg)
+                if got == serial and got_size == size:
+                    return fds[0]
+                os.close(fds[0])  # an earlier hand-over whose reply never reached this process
+                if got > serial:
+                    raise TransportError(f"worker pid {pid} sent hand-over {got} while {serial} was expected")
+
+    def _accept_until(self, token: str, pid: int, deadline: float) -> socket.socket:
+        while True:
+            self.listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                conn, _ = self.listener.accept()
+            except (TimeoutError, OSError) as exc:
+                raise TransportError(f"worker pid {pid} never connected to this process ({exc})") from exc
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                hello = _recv_exact(conn, _HELLO.size)
+                magic, their_token, their_pid = _HELLO.unpack(hello)
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                peer_pid, peer_uid, _gid = struct.unpack("3i", creds)
+            except (OSError, struct.error):
+                conn.close()
+                continue
+            if magic != _MAGIC or peer_uid != os.geteuid() or peer_pid != their_pid:
+                logger.warning(
+                    "states-through-shared-memory: refused a connection from pid %d (uid %d)", peer_pid, peer_uid
+                )
+                conn.close()
+                continue
+            self.conns[their_token.decode()] = conn
+            if their_token.decode() == token:
+                return conn
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = conn.recv(n - len(data))
+        if not part:
+            raise OSError(errno.ECONNRESET, "connection closed")
+        data += part
+    return data
+
+
+_RECEIVER: list[_Receiver] = []
+_RECEIVER_LOCK = threading.Lock()
+
+
+def receiver_address() -> str | None:
+    """The address of this process's receiving socket (made on first use), for the workers it is about to start;
+    None where it cannot be made (the states then take the RPC reply)."""
+    with _RECEIVER_LOCK:
+        if _RECEIVER and _RECEIVER[0].pid == os.getpid():
+            return _RECEIVER[0].address
+        _RECEIVER.clear()
+        try:
+            _RECEIVER.append(_Receiver())
+        except OSError as exc:
+            logger.warning("states-through-shared-memory: no receiving socket (%s); states take the RPC reply", exc)
+            return None
+        return _RECEIVER[0].address
+
+
+# -- the generator's side: memory maps the tensors own -------------------------------------------------------------
 
 
 class _Libc:
     """``mmap``/``munmap`` from the C library: Python's ``mmap`` object keeps a duplicate file descriptor open for as
-    long as the mapping lives (one per returned tensor would exhaust the process's descriptors)."""
+    long as the mapping lives (one per returned tensor would exhaust the process's descriptors, and would hold the
+    slab's lock past the tensor's life)."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them: no library search
@@ -127,127 +559,126 @@ def _max_map_count() -> int:
 _MAPS = _Maps()
 
 
-def _map_private(fd: int, offset: int, nbytes: int) -> tuple[Any, int]:
-    """A private (copy-on-write) mapping of ``nbytes`` of the file at ``offset``: (buffer, where the bytes start in
-    it). The buffer unmaps itself when the last reference to it goes."""
+class _Lease:
+    """This process's hold on one slab: a descriptor of its own with a shared lock on it, open while any mapping of the
+    slab lives (every mapping's finalizer holds the lease)."""
+
+    __slots__ = ("__weakref__", "fd")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        weakref.finalize(self, _close_quietly, fd).atexit = False
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _map_private(lease: _Lease, offset: int, nbytes: int) -> tuple[Any, int]:
+    """A private (copy-on-write) mapping of ``nbytes`` of the slab at ``offset``: (buffer, where the bytes start in
+    it). The buffer unmaps itself when the last reference to it goes, and lets go of the lease then."""
     if not _LIBC:
         _LIBC.append(_Libc())
     libc = _LIBC[0]
     start = offset - offset % _PAGE
     span = offset + nbytes - start
-    addr = libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, start)
+    addr = libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, lease.fd, start)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {span} bytes failed: {os.strerror(err)}")
     buffer = (ctypes.c_char * span).from_address(addr)
     _MAPS.live += 1
-    weakref.finalize(buffer, _unmap, addr, span).atexit = False
+    weakref.finalize(buffer, _unmap, addr, span, lease).atexit = False
     return buffer, offset - start
 
 
-def _unmap(addr: int, span: int) -> None:
+def _unmap(addr: int, span: int, lease: _Lease) -> None:
     _LIBC[0].munmap(addr, span)
     _MAPS.live -= 1
 
 
-def _tensor_over(fd: int, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
-    """A plain tensor over its own private mapping of the file's bytes ``[offset, offset + nbytes)``."""
+def _tensor_over(lease: _Lease, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """A plain tensor over its own private mapping of the slab's bytes ``[offset, offset + nbytes)``."""
     import torch
 
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    buffer, start = _map_private(fd, offset, nbytes)
+    buffer, start = _map_private(lease, offset, nbytes)
     return torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize, offset=start).view(shape)
 
 
-# -- the caller's side ---------------------------------------------------------------------------------------------
-
-
 class _Sources:
-    """The states files this process has open while speculators still holds their ``HandedOverStates``: the address
-    range of each file's mapping -> its descriptor, so ``clone()`` can map a tensor's own bytes again."""
+    """The slabs this process maps while speculators still holds their ``HandedOverStates``: the address range of
+    each slab's mapping -> its lease and the copies made ahead (copy mode), so ``clone()`` finds them."""
 
     def __init__(self) -> None:
-        self.by_address: dict[int, tuple[int, int]] = {}  # start address -> (end address, descriptor)
+        self.by_address: dict[int, tuple[int, _Lease, dict[tuple[int, int], Any] | None]] = {}
         self.lock = threading.Lock()
 
-    def add(self, start: int, end: int, fd: int) -> None:
+    def add(self, start: int, end: int, lease: _Lease, copies: dict[tuple[int, int], Any] | None) -> None:
         with self.lock:
-            self.by_address[start] = (end, fd)
+            self.by_address[start] = (end, lease, copies)
 
     def drop(self, start: int) -> None:
         with self.lock:
-            _, fd = self.by_address.pop(start, (0, -1))
-        if fd >= 0:
-            os.close(fd)
+            self.by_address.pop(start, None)
 
-    def find(self, address: int) -> tuple[int, int] | None:
-        """(descriptor, offset in the file) of the file mapped at ``address``, if any."""
+    def find(self, address: int) -> tuple[_Lease, int, dict[tuple[int, int], Any] | None] | None:
+        """(lease, offset in the slab, copies made ahead or None in map mode) of the slab mapped at ``address``."""
         with self.lock:
-            for start, (end, fd) in self.by_address.items():
+            for start, (end, lease, copies) in self.by_address.items():
                 if start <= address < end:
-                    return fd, address - start
+                    return lease, address - start, copies
         return None
 
 
 _SOURCES = _Sources()
-_CLEANER_AT_EXIT: list[bool] = []
 
 
-def open_states(path: str, size: int, device: int, inode: int, spec: Any) -> Any:
-    """In the generator's process: the reply's structure with ``HandedOverStates`` over the worker's file.
+def copy_mode() -> bool:
+    return os.environ.get(ENV_MODE, "").strip().lower() == "copy"
 
-    The file must be the worker's own (a regular file of this user, the device and inode the worker reported, not
-    reached through a link); its name is removed at once, so nothing is left in /dev/shm.
-    """
+
+def open_states(token: str, pid: int, serial: int, size: int, spec: Any, pieces: list[tuple[int, int]]) -> Any:
+    """In the generator's process: the reply's structure, with ``HandedOverStates`` over the worker's slab."""
     import torch
 
-    if not _CLEANER_AT_EXIT:
-        _CLEANER_AT_EXIT.append(True)
-        atexit.register(remove_dead_files)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        remove_dead_files()
+    receiver = _RECEIVER[0] if _RECEIVER and _RECEIVER[0].pid == os.getpid() else None
+    if receiver is None:
         raise TransportError(
-            f"the worker's states file {path} cannot be opened ({exc.strerror}). Was it removed by another program "
-            "cleaning /dev/shm? Run again; if this repeats, report it with the log."
-        ) from exc
+            "a states handle reached a process that started no vLLM workers of its own (it has no receiving socket)"
+        )
+    fd = receiver.receive(token, pid, serial, size)
     try:
-        st = os.fstat(fd)
-        problem = _not_the_file(st, size, device, inode)
-        if problem:
-            raise TransportError(f"refusing to map {path}: {problem}. Nothing was read from it.")
-        with contextlib.suppress(OSError):
-            if os.lstat(path).st_ino == st.st_ino:
-                os.unlink(path)
-        buffer = _map_private(fd, 0, size)[0] if size else None
+        _check_slab(fd, size, pid)
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)  # a description of our own: our lock
     except BaseException:
         os.close(fd)
         raise
-    if buffer is None:  # nothing but empty tensors
-        os.close(fd)
+    os.close(fd)
+    lease = _Lease(own)
+    fcntl.flock(own, fcntl.LOCK_SH)  # the worker leaves the slab alone while any process holds this
+    handed = handed_over_type()
+    if not size:
         block = torch.empty(0, dtype=torch.uint8)
     else:
+        buffer = _map_private(lease, 0, size)[0]
         start = ctypes.addressof(buffer)
-        _SOURCES.add(start, start + size, fd)
+        copies = _copy_ahead(buffer, pieces) if copy_mode() else None
+        _SOURCES.add(start, start + size, lease, copies)
         weakref.finalize(buffer, _SOURCES.drop, start).atexit = False
         block = torch.frombuffer(buffer, dtype=torch.uint8)
-    handed = handed_over_type()
-    remove_dead_files()
     return _replace(spec, Slot, lambda slot: _view(block, slot).as_subclass(handed))
 
 
-def _not_the_file(st: os.stat_result, size: int, device: int, inode: int) -> str:
-    if not stat.S_ISREG(st.st_mode):
-        return "it is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"it belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
-    if (st.st_dev, st.st_ino) != (device, inode):
-        return "it is not the file the worker wrote (another device or inode)"
+def _check_slab(fd: int, size: int, pid: int) -> None:
+    st = os.fstat(fd)
     if st.st_size < size:
-        return f"it holds {st.st_size} bytes, the states need {size}"
-    return ""
+        raise TransportError(f"worker pid {pid} handed over {st.st_size} bytes of memory for {size} bytes of states")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & _SEALS != _SEALS:
+        raise TransportError(f"worker pid {pid} handed over memory whose size is not sealed (seals {seals:#x})")
 
 
 def _view(block: Any, slot: Slot) -> Any:
@@ -271,26 +702,53 @@ def _replace(obj: Any, kind: type, replace: Callable[[Any], Any]) -> Any:
     return obj
 
 
+_COPY_THREADS = 8
+_POOL: list[Any] = []
+
+
+def _copy_ahead(buffer: Any, pieces: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    """Copy mode: each piece ``(offset, nbytes)`` that speculators will ``clone()`` copied into ordinary memory now,
+    by a few threads (torch releases the GIL while copying): (offset, nbytes) -> uint8 tensor."""
+    import torch
+
+    source = torch.frombuffer(buffer, dtype=torch.uint8)
+    copies = {piece: torch.empty(piece[1], dtype=torch.uint8) for piece in pieces if piece[1]}
+    if not _POOL:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL.append(ThreadPoolExecutor(min(_COPY_THREADS, os.cpu_count() or 1), thread_name_prefix="vllm_compat_copy"))
+    futures = [_POOL[0].submit(dst.copy_, source.narrow(0, off, n)) for (off, n), dst in copies.items()]
+    for f in futures:
+        f.result()
+    return copies
+
+
 def _own_copy(tensor: Any) -> Any:
     """``tensor.clone()`` as an independent plain tensor: its bytes mapped again privately where possible (no copy),
-    a real copy otherwise (not contiguous, written to since it was handed over, or too many mappings live)."""
+    the copy made ahead in copy mode, a real copy otherwise (not contiguous, written to since it was handed over, or
+    too many mappings live)."""
     import torch
 
     with torch._C.DisableTorchFunctionSubclass():
         plain = tensor.as_subclass(torch.Tensor)
+        nbytes = plain.numel() * plain.element_size()
         found = _SOURCES.find(plain.data_ptr()) if plain.numel() else None
-        full = _MAPS.full()
-        if found is None or not plain.is_contiguous() or plain._version != 0 or full:
-            if found is not None and full and not _MAPS.warned:
-                _MAPS.warned = True
-                logger.warning(
-                    "states-through-shared-memory: %d returned state tensors are alive in this process; further "
-                    "states are copied into ordinary memory (slower) to stay within vm.max_map_count.",
-                    _MAPS.live,
-                )
-            return plain.clone()
-        fd, offset = found
-        return _tensor_over(fd, offset, plain.numel() * plain.element_size(), plain.dtype, tuple(plain.shape))
+        if found is not None and plain.is_contiguous() and plain._version == 0:
+            lease, offset, copies = found
+            if copies is not None:  # copy mode: the copy made ahead, once (a second clone is a real copy)
+                ahead = copies.pop((offset, nbytes), None)
+                if ahead is not None:
+                    return ahead.view(plain.dtype).view(plain.shape)
+            elif not _MAPS.full():
+                return _tensor_over(lease, offset, nbytes, plain.dtype, tuple(plain.shape))
+        if found is not None and found[2] is None and _MAPS.full() and not _MAPS.warned:
+            _MAPS.warned = True
+            logger.warning(
+                "states-through-shared-memory: %d returned state tensors are alive in this process; further states "
+                "are copied into ordinary memory (slower) to stay within vm.max_map_count.",
+                _MAPS.live,
+            )
+        return plain.clone()
 
 
 _HANDED: list[type] = []
@@ -331,369 +789,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# -- the worker's side ---------------------------------------------------------------------------------------------
-
-
-class StatesHandle:
-    """A picklable handle to one call's states file; unpickling it (in the generator's process) opens the states."""
-
-    def __init__(self, path: str, size: int, device: int, inode: int, spec: Any) -> None:
-        self.path, self.size, self.device, self.inode, self.spec = path, size, device, inode, spec
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (open_states, (self.path, self.size, self.device, self.inode, self.spec))
-
-
-class _File:
-    """A fresh file in /dev/shm, made, locked (shared) and mapped by this worker."""
-
-    def __init__(self, path: str, fd: int, size: int, mapping: Any, block: Any) -> None:
-        self.path, self.fd, self.size = path, fd, size
-        self.mapping: Any = mapping
-        self.block: Any = block  # uint8 tensor over the whole mapping, while the worker writes
-        st = os.fstat(fd)
-        self.device, self.inode = st.st_dev, st.st_ino
-
-    @classmethod
-    def create(cls, size: int) -> _File | str:
-        """A new file of ``size`` bytes with every page in place; or why there is none."""
-        try:
-            path, fd = _create_locked()
-        except OSError as exc:
-            return f"cannot create a file in {SHM_DIR} ({exc.strerror})"
-        try:
-            os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on the first write past the limit
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
-        except OSError as exc:
-            _unlink_if_ours(path, fd)
-            os.close(fd)
-            return f"{SHM_DIR} has {_free_bytes() / 2**20:.0f} MiB free ({exc.strerror})"
-        import torch
-
-        return cls(path, fd, size, mapping, torch.frombuffer(mapping, dtype=torch.uint8))
-
-    def seal(self, used: int) -> None:
-        """The worker is done writing: drop its mapping (unmapped with the last reference) and give back the pages
-        past ``used``."""
-        self.block = self.mapping = None
-        os.ftruncate(self.fd, used)
-        self.size = used
-
-    def discard(self) -> None:
-        """Let go: the name goes unless the generator's process already took the file; the lock goes with the fd."""
-        self.block = self.mapping = None
-        _unlink_if_ours(self.path, self.fd)
+def _forget_in_forked_child() -> None:
+    """A forked child (a vLLM worker under the fork start method, a DataLoader worker) keeps the mappings and leases
+    it inherited (its snapshot), but not this process's socket, channel, slabs or locks: it makes its own."""
+    _SOURCES.lock = threading.Lock()
+    global _RECEIVER_LOCK
+    _RECEIVER_LOCK = threading.Lock()
+    for receiver in _RECEIVER:
         with contextlib.suppress(OSError):
-            os.close(self.fd)
-        self.fd = -1
+            receiver.listener.close()
+        for conn in receiver.conns.values():
+            with contextlib.suppress(OSError):
+                conn.close()
+    _RECEIVER.clear()
+    _CHANNEL.clear()
+    _STATS.clear()
 
 
-def _create_locked() -> tuple[str, int]:
-    """Create a file under a new name and hold a shared lock on it, so that no cleaner ever takes it for a dead
-    worker's: a cleaner that slipped in between the two steps took the name away, and we try again."""
-    for _ in range(8):
-        path = os.path.join(SHM_DIR, f"{PREFIX}{uuid.uuid4().hex}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        try:
-            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
-                return path, fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)
-    raise OSError(errno.EAGAIN, "could not keep a file of its own (removed as soon as made)")
-
-
-def _unlink_if_ours(path: str, fd: int) -> None:
-    with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == os.fstat(fd).st_ino:
-            os.unlink(path)
-
-
-def _round(n: int, step: int) -> int:
-    return max(-(-n // step) * step, step)
-
-
-def aligned(nbytes: int) -> int:
-    """The room a tensor of ``nbytes`` takes in a states file (the next one starts aligned)."""
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-Copy = tuple[Any, Slot, list[tuple[int, int, int]]]  # (source, slot, ranges): see StatesWriter.write
-
-
-def layout(states: Any) -> tuple[Any, int, list[Copy]]:
-    """(spec, size, copies) that put every tensor of ``states`` (any nesting of dicts, lists and tuples) whole into
-    a states file: ``spec`` is ``states`` with each tensor replaced by its :class:`Slot`."""
-    import torch
-
-    tensors: list[Any] = []
-
-    def index(t: Any) -> _Index:
-        tensors.append(t)
-        return _Index(len(tensors) - 1)
-
-    shape = _replace(states, torch.Tensor, index)
-    slots, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        slots.append(Slot(size, nbytes, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-        size += aligned(nbytes)
-    spec = _replace(shape, _Index, lambda i: slots[i.i])
-    return spec, size, [(t, slot, []) for t, slot in zip(tensors, slots, strict=True)]
-
-
-@dataclass(frozen=True)
-class _Index:
-    i: int
-
-
-class StatesWriter:
-    """A worker's side of the hand-over: a fresh file per call, one spare kept ready by a thread.
-
-    A file is handed over once and never written again; the worker keeps its lock (and so its name safe from
-    cleaners) until the next call, by which time the generator's process has taken it. States on a GPU go to a
-    pinned staging buffer in one DMA, then into the file with a few threads; states in host memory go straight in.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.spare: _File | None = None
-        self.handed: list[_File] = []
-        self.thread: threading.Thread | None = None
-        self.staging: Any = None
-        self.stats: dict[str, Any] = {}
-        self.closing = False
-        self.spare_ready = threading.Event()
-        self.spare_ready.set()  # no spare on its way
-        self._started = False
-
-    def write(self, spec: Any, size: int, copies: Iterable[Copy]) -> StatesHandle | None:
-        """Write the states and return their handle; None where /dev/shm has no room (the caller then replies the
-        usual way). Each copy ``(source, slot, ranges)`` copies ``source`` whole (no ranges), or the listed
-        ``(step, first row, rows)`` pieces of ``source[step]`` one after the other."""
-        started = time.perf_counter()
-        if not self._started:
-            self._started = True
-            atexit.register(self.close)
-            remove_dead_files()
-        self._let_go_of_handed()
-        file, waited, made = self._take(size)
-        if file is None:
-            return None
-        try:
-            self._fill(file, list(copies), size)
-            file.seal(size)
-        except BaseException:
-            file.discard()
-            raise
-        with self.lock:
-            self.handed.append(file)
-        self._prepare_spare(size)
-        self.stats = {
-            "bytes": size,
-            "seconds": time.perf_counter() - started,
-            "waited_seconds": waited,
-            "made_now": made,
-            "pinned": self.staging is not None,
-        }
-        return StatesHandle(file.path, size, file.device, file.inode, spec)
-
-    def _take(self, size: int) -> tuple[_File | None, float, bool]:
-        started = time.perf_counter()
-        self.spare_ready.wait()  # the spare may be on its way
-        waited = time.perf_counter() - started
-        with self.lock:
-            spare, self.spare = self.spare, None
-        if spare is not None and spare.size >= max(size, 1):
-            return spare, waited, False
-        if spare is not None:
-            spare.discard()
-        new = _File.create(_round(size + size // _HEADROOM, _STEP))
-        if isinstance(new, str):
-            _no_room(new, size)
-            return None, waited, True
-        return new, waited, True
-
-    def _fill(self, file: _File, copies: list[Copy], size: int) -> None:
-        import torch
-
-        sources = [t for src, _, ranges in copies for t in (src if ranges else [src])]
-        devices = {t.device for t in sources if t.is_cuda}
-        target = file.block
-        if devices:
-            target = self._staging_buffer(size)
-        for src, slot, ranges in copies:
-            if not slot.nbytes:
-                continue
-            dst = _view(target, slot)
-            if not ranges:
-                dst.copy_(src.detach(), non_blocking=bool(devices))
-                continue
-            at = 0
-            for step, row, n in ranges:
-                dst[at : at + n].copy_(src[step][row : row + n].detach(), non_blocking=bool(devices))
-                at += n
-        if devices:
-            for d in devices:
-                torch.cuda.current_stream(d).synchronize()
-            _parallel_copy(file.block.narrow(0, 0, size), target.narrow(0, 0, size))
-
-    def _staging_buffer(self, size: int) -> Any:
-        """A pinned host buffer of at least ``size`` bytes, kept for the next calls (DMA from the GPU at full speed)."""
-        import torch
-
-        if self.staging is None or self.staging.numel() < size:
-            self.staging = None
-            self.staging = torch.empty(_round(size + size // _HEADROOM, _STEP), dtype=torch.uint8, pin_memory=True)
-        return self.staging
-
-    def _prepare_spare(self, size: int) -> None:
-        """In a thread: make the next call's file, then let go of the one just handed over once it is taken."""
-        handed = list(self.handed)
-        self.spare_ready.clear()
-
-        def run() -> None:
-            try:
-                new = _File.create(_round(size + size // _HEADROOM, _STEP))
-                if isinstance(new, _File):
-                    with self.lock:
-                        self.spare = new
-                else:
-                    logger.debug("states-through-shared-memory: no spare file (%s)", new)
-            finally:
-                self.spare_ready.set()
-            self._let_go_once_taken(handed)
-
-        self.thread = threading.Thread(target=run, name="vllm_compat_states", daemon=True)
-        self.thread.start()
-
-    def _let_go_once_taken(self, files: list[_File], patience: float = 30.0) -> None:
-        """Close each file once the generator's process has taken it (its name is gone), so that its memory is
-        freed as soon as that process drops the states, not at the next call. A file not taken in time stays until
-        the next call (or the worker's exit) lets go of it."""
-        deadline = time.monotonic() + patience
-        pause = 0.001
-        pending = list(files)
-        while pending and time.monotonic() < deadline and not self.closing:
-            pending = [f for f in pending if os.path.lexists(f.path)]
-            if pending:
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-        with self.lock:
-            for f in files:
-                if f not in pending and f in self.handed:
-                    self.handed.remove(f)
-                    f.discard()
-
-    def _let_go_of_handed(self) -> None:
-        with self.lock:
-            handed, self.handed = self.handed, []
-        for file in handed:
-            file.discard()
-
-    def close(self) -> None:
-        """At exit: the spare goes, and the lock (and name, if still there) of the last file handed over."""
-        self.closing = True
-        if self.thread is not None:
-            self.thread.join(timeout=30)
-        self._let_go_of_handed()
-        with self.lock:
-            spare, self.spare = self.spare, None
-        if spare is not None:
-            spare.discard()
-
-
-_COPY_THREADS = 8
-_POOL: list[Any] = []
-
-
-def _parallel_copy(dst: Any, src: Any) -> None:
-    """``dst.copy_(src)`` for large host buffers, split over a few threads (torch releases the GIL while copying)."""
-    n = dst.numel()
-    threads = max(1, min(_COPY_THREADS, os.cpu_count() or 1, n // (8 << 20)))
-    if threads == 1:
-        dst.copy_(src)
-        return
-    if not _POOL:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL.append(ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="vllm_compat_copy"))
-    chunk = -(-n // threads)
-    futures = [
-        _POOL[0].submit(dst.narrow(0, i, min(chunk, n - i)).copy_, src.narrow(0, i, min(chunk, n - i)))
-        for i in range(0, n, chunk)
-    ]
-    for f in futures:
-        f.result()
-
-
-# -- clean-up ------------------------------------------------------------------------------------------------------
-
-
-def remove_dead_files() -> int:
-    """Remove states files that no living process holds, and say how many went.
-
-    Every owner holds a lock on its file; the kernel drops it when the owner dies. A file nobody holds a lock on was
-    left by a dead worker (a spare, or a file its generator never took): removing it is safe from any process, in any
-    PID namespace. Files of other users are left alone.
-    """
-    removed = 0
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if _is_states_file(n)]
-    except OSError:
-        return 0
-    for name in names:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its owner is alive
-            if os.lstat(path).st_ino == st.st_ino:
-                os.unlink(path)
-                removed += 1
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-    if removed:
-        logger.info("states-through-shared-memory: removed %d states file(s) of dead workers from %s", removed, SHM_DIR)
-    return removed
-
-
-def _is_states_file(name: str) -> bool:
-    """A name this transport makes: the prefix and 32 hex digits. Files of vllm-compat 0.1.0 (the prefix, a pid,
-    ``_``, hex) took no lock, so a live one cannot be told from a dead one: they are left to that version."""
-    rest = name[len(PREFIX) :] if name.startswith(PREFIX) else ""
-    return len(rest) == 32 and all(c in "0123456789abcdef" for c in rest)
-
-
-_WARNED: list[bool] = []
-
-
-def _no_room(why: str, size: int) -> None:
-    """Say once (later calls at debug level) that states take the slow path, and why."""
-    log = logger.debug if _WARNED else logger.warning
-    _WARNED.append(True)
-    log(
-        "states-through-shared-memory: %s; a call's captured states need %.0f MiB. They go through vLLM's message "
-        "queue instead (slower). Give the container more shared memory (e.g. docker run --shm-size=16g).",
-        why,
-        max(size / 2**20, 0.1),
-    )
-
-
-def _free_bytes() -> int:
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_forked_child)

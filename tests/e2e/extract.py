@@ -90,6 +90,7 @@ def main() -> int:
             "vllm_dtype": vllm_dtype,
             "layer_ids": list(generator.layer_ids),  # what speculators' script writes to data_config.json
             "prefix_caching": bool(generator.vllm_config.cache_config.enable_prefix_caching),
+            "max_num_batched_tokens": generator.vllm_config.scheduler_config.max_num_batched_tokens,
             "block_hasher": getattr(generator, "block_hasher", None) is not None,
             "status": status,
             "workers": workers,
@@ -124,7 +125,9 @@ def _worker_report(worker) -> dict:
     inner = getattr(worker, "worker", None)  # some releases hand the callable the wrapper around the worker
     classes = [*type(worker).__mro__, *(type(inner).__mro__ if inner is not None else ())]
     extensions = sorted({f"{c.__module__}.{c.__qualname__}" for c in classes if "WorkerExtension" in c.__name__})
-    return {**vllm_compat.status(), "extensions": extensions, "env": scoped_variables()}
+    runner = getattr(worker, "model_runner", None) or getattr(inner, "model_runner", None)
+    runner_classes = [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__] if runner is not None else []
+    return {**vllm_compat.status(), "extensions": extensions, "env": scoped_variables(), "runner": runner_classes}
 
 
 def _force_dtype(module, dtype: str) -> None:

@@ -56,15 +56,16 @@ def assert_route(data: dict, route: str, said: str) -> None:
 
 
 def assert_variables_reach_the_workers_only(data: dict) -> None:
-    """VLLM_COMPAT_ACTIVE and model-runner-v1's VLLM_USE_V2_MODEL_RUNNER=0 are set while the generator starts its
-    workers: the workers have them, and the script's environment is as it was after the import and the shutdown
+    """VLLM_COMPAT_ACTIVE and the runner adapter's VLLM_USE_V2_MODEL_RUNNER (0 or 1) are set while the generator starts
+    its workers: the workers have them, and the script's environment is as it was after the import and the shutdown
     (an unrelated child it starts, such as `vllm serve`, inherits neither)."""
     env = data["env"]
     assert env["after_import"] == env["start"] and env["after_shutdown"] == env["start"], env
-    v1 = "model-runner-v1" in data["status"]["applied"]
+    applied = data["status"]["applied"]
+    pinned = "0" if "model-runner-v1" in applied else "1" if "model-runner-v2" in applied else None
     for worker in data["workers"]:
         assert worker["env"]["VLLM_COMPAT_ACTIVE"] == "1", worker["env"]
-        assert worker["env"]["VLLM_USE_V2_MODEL_RUNNER"] == ("0" if v1 else env["start"]["VLLM_USE_V2_MODEL_RUNNER"])
+        assert worker["env"]["VLLM_USE_V2_MODEL_RUNNER"] == (pinned or env["start"]["VLLM_USE_V2_MODEL_RUNNER"])
 
 
 def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:

@@ -55,7 +55,13 @@ def _build_tokenizer(vocab_size: int, max_length: int):  # -> transformers.PreTr
 
 
 def build_tiny_llama(
-    path: str | Path, *, num_layers: int = 4, seed: int = 0, head_dim: int = 32, max_positions: int = 4096
+    path: str | Path,
+    *,
+    num_layers: int = 4,
+    seed: int = 0,
+    head_dim: int = 32,
+    max_positions: int = 4096,
+    hidden_size: int = 64,
 ) -> Path:
     """Write a tiny random float32 Llama model and its tokenizer to ``path``.
 
@@ -67,6 +73,7 @@ def build_tiny_llama(
             be 16) because vLLM's CPU attention backend supports head sizes of
             32 and up only ("Unsupported CPU attention configuration: head_dim=16").
         max_positions: ``max_position_embeddings``; at least speculators' default max_model_len (2048).
+        hidden_size: the residual stream's width (bigger states per token for the tests that need many bytes).
 
     Returns:
         The output directory as a :class:`~pathlib.Path`.
@@ -79,8 +86,8 @@ def build_tiny_llama(
 
     tokenizer = _build_tokenizer(TINY_VOCAB_SIZE, max_positions)
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -191,7 +191,13 @@ class Extraction:
 
 
 def run_extract(
-    model: Path, calls: list[list[list[int]]], tmp: Path, *, compat: bool = True, env: dict[str, str] | None = None
+    model: Path,
+    calls: list[list[list[int]]],
+    tmp: Path,
+    *,
+    compat: bool = True,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
 ) -> Extraction:
     """Run tests/gpu/extract.py (tests/e2e/extract.py plus the attention backend) in a fresh interpreter."""
     calls_file = tmp / "calls.json"
@@ -216,6 +222,7 @@ def run_extract(
         cmd += ["--attention-backend", backend]
     if not compat:
         cmd.append("--no-compat")
+    cmd += extra_args or []
     full_env = child_env(env)
     if not compat:
         full_env["VLLM_COMPAT_DISABLE"] = "1"

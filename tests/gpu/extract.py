@@ -7,6 +7,11 @@ to pass ``attention_config=AttentionConfig(backend=AttentionBackendEnum.NAME)`` 
 has no ``attention_config`` read ``VLLM_ATTENTION_BACKEND`` instead, which the workers inherit). It is a choice of
 this test harness, not a library default: vllm-compat itself never selects a backend.
 
+``--max-num-batched-tokens N`` sets the scheduler's token budget per step the same way (speculators 0.3.0 has no
+parameter for it, 0.4.0.1 passes its own): rebinding ``SchedulerConfig`` in speculators' module, after vllm-compat's
+adapters wrapped it, to call it with ``max_num_batched_tokens=N``. A budget smaller than a prompt makes the scheduler
+prefill that prompt over several steps. Also a harness choice, never a library default.
+
 Every other argument is extract.py's; the work is extract.py's ``main()``. ``import vllm_compat`` still comes first
 (unless ``--no-compat``), before speculators is imported.
 """
@@ -49,18 +54,37 @@ def force_attention_backend(module, name: str) -> None:
     module.VllmConfig = vllm_config
 
 
+def force_token_budget(module, tokens: int) -> None:
+    """Rebind ``SchedulerConfig`` in speculators' generator module so its one call gets ``max_num_batched_tokens``."""
+    original = module.SchedulerConfig
+
+    def scheduler_config(*args, **kwargs):
+        return original(*args, **{**kwargs, "max_num_batched_tokens": tokens})
+
+    module.SchedulerConfig = scheduler_config
+
+
+def _take(argv: list[str], flag: str) -> str | None:
+    if flag not in argv:
+        return None
+    at = argv.index(flag)
+    value = argv[at + 1]
+    del argv[at : at + 2]
+    return value
+
+
 def main(argv: list[str]) -> int:
-    backend = None
-    if "--attention-backend" in argv:
-        at = argv.index("--attention-backend")
-        backend = argv[at + 1]
-        del argv[at : at + 2]
+    backend = _take(argv, "--attention-backend")
+    budget = _take(argv, "--max-num-batched-tokens")
     if "--no-compat" not in argv:
         import vllm_compat  # noqa: F401  (first, as a user's script does)
-    if backend:
+    if backend or budget:
         from speculators.data_generation import vllm_hidden_states_generator as gen_module
 
-        force_attention_backend(gen_module, backend)
+        if backend:
+            force_attention_backend(gen_module, backend)
+        if budget:
+            force_token_budget(gen_module, int(budget))
     extract = load_by_path(ROOT / "tests" / "e2e" / "extract.py", "vllm_compat_e2e_extract")
     sys.argv = [str(Path(extract.__file__)), *argv]
     return extract.main()

@@ -36,6 +36,7 @@ TOP_KEYS = {
     "adapters",
     "unhandled",
     "unknown",
+    "needed_unknown",
     "strict",
     "ok",
     "vllm_range",
@@ -297,8 +298,9 @@ def test_json_schema(new_field_tree: Path, capsys) -> None:
         {f["probe"] for f in report["findings"] if f["state"] == "drifted" and not f["handled"]}
     )
     assert report["unknown"] == sorted({f["probe"] for f in report["findings"] if f["state"] == "unknown"})
+    assert set(report["needed_unknown"]) <= set(report["unknown"])
     assert report["adapters"] == list(dict.fromkeys(f["adapter"] for f in report["findings"] if f["adapter"]))
-    assert report["ok"] == (not report["unhandled"])
+    assert report["ok"] == (not report["unhandled"] and not report["needed_unknown"])
     assert rc == (0 if report["ok"] else 1)
 
 

@@ -222,6 +222,10 @@ def test_the_variables_workers_inherit_are_set_only_while_the_generator_starts(
     def model_runner_default(view) -> Observation:
         return Observation("v2_default", "V2 by default")
 
+    for fact in ("model_runner.v1_attributes", "scheduler.batch_order"):  # V1's facts hold: the choice takes V1
+        probe(fact, symbol="x", summary="x", expected={"0.4.0.1": "V1"})(lambda view: Observation("baseline", "x"))
+    monkeypatch.delenv("VLLM_COMPAT_MODEL_RUNNER", raising=False)
+
     child = f"import os; print([os.environ.get(n) for n in {variables!r}])"
     seen: list[str] = []
 
