@@ -140,7 +140,7 @@ def test_v1_deleted_tree_fails_with_the_v2_path_off(vllm_tree, line: str, capsys
     assert "this vLLM has no Model Runner V1" in runner["observed"], runner["observed"]
     main(["probe", "--source", str(tree), "--speculators", line])
     table = capsys.readouterr().out
-    assert "not covered:" in table and runners.RUNNER_PROBE in table and "-> FAIL" in table
+    assert "not covered:" in table and runners.RUNNER_PROBE in table and "verdict: FAIL" in table
 
 
 def test_an_unknown_fact_the_runner_needs_fails_without_strict(vllm_tree, capsys, monkeypatch) -> None:
