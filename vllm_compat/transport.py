@@ -220,8 +220,8 @@ class Slabs:
     """A worker's slabs: a call takes the smallest free one that fits, and one spare is kept ready by a thread.
 
     Host memory: the slabs the generator's process still maps (its live results, exactly as large as ordinary
-    tensors holding them would be) plus at most one free slab. Pinned memory: at most ``_pinned_limit()``; slabs
-    beyond it stay pageable (copies into them are synchronous, slower).
+    tensors holding them would be) plus at most one free slab (two, made ahead, before the first call). Pinned
+    memory: at most ``_pinned_limit()``; slabs beyond it stay pageable (copies into them are synchronous, slower).
     """
 
     def __init__(self) -> None:
@@ -252,11 +252,25 @@ class Slabs:
         return Slab.make(size, self.device, pin)
 
     def prepare(self, size: int, device: int | None) -> None:
-        """Make, in a thread, a free slab of at least ``size`` bytes (an estimate, before the first call); later spares
-        follow the calls actually made."""
+        """Make, in a thread, two free slabs of ``size`` bytes (an estimate, before the first call): one for the first
+        call and one for the next while the first call's results are still alive (``results = generate(...)`` in a
+        loop keeps them until the next call returns). Later spares follow the calls actually made."""
         self.device = device
-        if not self.expected:
-            self._spare_in_background(size, headroom=False)
+        if self.expected or self.slabs:
+            return
+
+        def run() -> None:
+            for _ in range(2):
+                try:
+                    slab = self._make(size)
+                except OSError as exc:
+                    logger.debug("states-through-shared-memory: no slab made ahead (%s)", exc)
+                    return
+                with self.lock:
+                    self.slabs.append(slab)
+
+        self.maker = threading.Thread(target=run, name="vllm_compat_slab", daemon=True)
+        self.maker.start()
 
     def take(self, size: int) -> tuple[Slab, dict[str, Any]]:
         """A free slab of at least ``size`` bytes for one call (made now only where none is ready)."""
@@ -286,14 +300,14 @@ class Slabs:
                 self.slabs.remove(slab)
         return slab
 
-    def _spare_in_background(self, want: int, headroom: bool = True) -> None:
-        """Where no free slab of ``want`` bytes is ready, start making one (with room for a somewhat longer call)."""
+    def _spare_in_background(self, want: int) -> None:
+        """Where no free slab of ``want`` bytes is ready, start making one with room for a somewhat longer call."""
         if not want or (self.maker is not None and self.maker.is_alive()):
             return
         with self.lock:
             if any(s.size >= want and s.is_free() for s in self.slabs):
                 return
-        size = want + want // 4 if headroom else want
+        size = want + want // 4
 
         def run() -> None:
             try:

@@ -8,6 +8,7 @@ Commands arrive as JSON lines on stdin; each answer is one line on stdout, ``@@ 
     {"op": "call", "plan": [[rid, n], ...], "steps": [[[rid, rows], ...], ...], "line": "0.4.0.1", "out": PATH,
      "layers": 3, "hidden": 8, "dtype": "bfloat16", "seed": 1, "fail_at_step": null}
     {"op": "slabs"}        -> {"slabs": N, "free": N, "busy": N, "pinned_bytes": N}
+    {"op": "prepare", "size": N} -> the slabs made ahead at setup, once they are made
     {"op": "fds"}          -> {"fds": [fd, ...]}: the descriptors of its slabs (another process may try them)
     {"op": "speculators", ...same as call...} -> speculators 0.4.0.1's own reply for the same steps, pickled to PATH
 
@@ -141,6 +142,10 @@ def main() -> None:
                 "busy": sum(s.busy for s in slabs),
                 "pinned_bytes": capture.SLABS.pinned_bytes(),
             }
+        elif cmd["op"] == "prepare":  # what per-request-capture does at setup (made ahead by a thread)
+            capture.SLABS.prepare(cmd["size"], None)
+            capture.SLABS.maker.join()
+            answer = {"slabs": len(capture.SLABS.slabs)}
         elif cmd["op"] == "fds":
             answer = {"fds": [s.fd for s in capture.SLABS.slabs]}
         else:

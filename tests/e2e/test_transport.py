@@ -71,18 +71,8 @@ class Worker:
         """Run a call; the pickled reply is left in a file, not yet opened."""
         self.n += 1
         out = self.tmp / f"reply{self.n}.pkl"
-        answer = self.ask(
-            op="call",
-            plan=plan,
-            steps=steps,
-            line=line,
-            seed=seed,
-            out=str(out),
-            layers=LAYERS,
-            hidden=HIDDEN,
-            dtype=DTYPE,
-            **extra,
-        )
+        cmd = {"layers": LAYERS, "hidden": HIDDEN, "dtype": DTYPE, **extra}
+        answer = self.ask(op="call", plan=plan, steps=steps, line=line, seed=seed, out=str(out), **cmd)
         return answer, out
 
     def reply(self, plan, steps, line="0.4.0.1", seed=1):
@@ -203,6 +193,21 @@ def test_a_failed_call_gives_its_memory_back(worker: Worker) -> None:
     answer, out = worker.call(PLAN, STEPS)
     assert answer["stats"]["made_now"] is False, "the next call took a slab that was ready"
     assert same(speculators_copy(pickle.loads(out.read_bytes()), PLAN, "0.4.0.1"), expected_samples(PLAN))
+
+
+def test_no_call_waits_for_a_slab_to_be_made(worker: Worker) -> None:
+    """The H200 run of the first rework: the first calls waited 0.25 to 0.29 s for a spare while the previous call's
+    results were still alive (``results = generate(...)`` in a loop). 96 MiB calls, so that making a slab shows."""
+    plan = plan_of([2048, 2048])
+    size = 3 * 4096 * 4096 * 2
+    assert worker.ask(op="prepare", size=size)["slabs"] == 2
+    held = None
+    for seed in range(1, 5):
+        answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=4096)
+        stats = answer["stats"]
+        assert stats["made_now"] is False and stats["waited_seconds"] < 0.01, stats
+        held = pickle.loads(out.read_bytes())  # the reply, kept while the next call runs
+    assert held["req_0_1"][2].shape == (2048, 4096)
 
 
 def test_returned_states_are_plain_tensors_that_own_exactly_their_bytes(worker: Worker) -> None:
