@@ -42,7 +42,6 @@ class Worker:
         self.n = 0
         env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_DISABLE"}
         env[transport.ENV_SOCKET] = transport.receiver_address() or ""
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), env.get("PYTHONPATH", "")])
         env.update(extra_env or {})
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "standin_worker.py")],
