@@ -9,6 +9,7 @@ Commands arrive as JSON lines on stdin; each answer is one line on stdout, ``@@ 
      "layers": 3, "hidden": 8, "dtype": "bfloat16", "seed": 1, "fail_at_step": null}
     {"op": "slabs"}        -> {"slabs": N, "free": N, "busy": N, "pinned_bytes": N}
     {"op": "prepare", "size": N} -> the slabs made ahead at setup, once they are made
+    {"op": "join_maker"}   -> waits for a slab being made by the thread; {"slabs": N}
     {"op": "fds"}          -> {"fds": [fd, ...]}: the descriptors of its slabs (another process may try them)
     {"op": "speculators", ...same as call...} -> speculators 0.4.0.1's own reply for the same steps, pickled to PATH
 
@@ -145,6 +146,10 @@ def main() -> None:
         elif cmd["op"] == "prepare":  # what per-request-capture does at setup (made ahead by a thread)
             capture.SLABS.prepare(cmd["size"], None)
             capture.SLABS.maker.join()
+            answer = {"slabs": len(capture.SLABS.slabs)}
+        elif cmd["op"] == "join_maker":  # wait for a spare being made, so that the next call's stats are certain
+            if capture.SLABS.maker is not None:
+                capture.SLABS.maker.join()
             answer = {"slabs": len(capture.SLABS.slabs)}
         elif cmd["op"] == "fds":
             answer = {"fds": [s.fd for s in capture.SLABS.slabs]}

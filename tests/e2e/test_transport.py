@@ -209,6 +209,21 @@ def test_no_call_waits_for_a_slab_to_be_made(worker: Worker) -> None:
     assert held["req_0_1"][2].shape == (2048, 4096)
 
 
+def test_a_caller_keeping_every_result_gets_spares_made_ahead(worker: Worker) -> None:
+    """A notebook keeping every call's results: each call finds a slab made by the thread while the one before ran."""
+    plan = plan_of([256, 256])
+    assert worker.ask(op="prepare", size=3 * 256 * 2 * HIDDEN * 2)["slabs"] == 2
+    kept, made = [], []
+    for seed in range(1, 6):
+        answer, out = worker.call(plan, one_step(plan), seed=seed)
+        made.append(answer["stats"]["made_now"])
+        kept.append(pickle.loads(out.read_bytes()))
+        worker.ask(op="join_maker")
+    assert made == [False] * 5, "no call made its slab on the spot"
+    for seed, reply in enumerate(kept, start=1):
+        assert same(speculators_copy(reply, plan, "0.4.0.1"), expected_samples(plan, seed=seed)), seed
+
+
 def test_returned_states_are_plain_tensors_that_own_exactly_their_bytes(worker: Worker) -> None:
     """The audit of 0.1.0: one saved sample held its call's whole segment (12 to 24x its size)."""
     plan = plan_of([400, 300, 500])
