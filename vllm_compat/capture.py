@@ -87,12 +87,16 @@ class CallLayout:
 
 
 class _Copier:
-    """Copies rows of a step's captured tensors into a host block; on a GPU asynchronously, on a side stream."""
+    """Copies rows of a step's captured tensors into a host block; on a GPU asynchronously, on a side stream.
 
-    def __init__(self, block: Any, device: Any) -> None:
+    ``piece``: the block is registered with CUDA in pieces of this many bytes (0: in one, or not at all); a copy
+    that would cross the border of two is split there, as the driver refuses one across registrations."""
+
+    def __init__(self, block: Any, device: Any, piece: int = 0) -> None:
         import torch
 
         self.block = block
+        self.piece = piece
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.pending: list[tuple[Any, list[Any]]] = []  # (event, the captured tensors it still reads)
@@ -103,16 +107,29 @@ class _Copier:
 
         if not self.cuda:
             for offset, src in pieces:
-                self._dst(offset, src).copy_(src)
+                self._copy(offset, src, keep, non_blocking=False)
             return
         self.pending = [(event, kept) for event, kept in self.pending if not event.query()]  # let finished go
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             for offset, src in pieces:
-                self._dst(offset, src).copy_(src, non_blocking=True)
+                self._copy(offset, src, keep, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.pending.append((event, keep))  # the sources stay alive (and unreused) until their copies are done
+
+    def _copy(self, offset: int, src: Any, keep: list[Any], non_blocking: bool) -> None:
+        """``src`` to the block at ``offset``, as one copy or, across borders of the block's pieces, one a piece."""
+        import torch
+
+        ranges = transport.piece_ranges(offset, src.numel() * src.element_size(), self.piece)
+        if len(ranges) == 1:
+            self._dst(offset, src).copy_(src, non_blocking=non_blocking)
+            return
+        flat = src.contiguous().reshape(-1).view(torch.uint8)  # a view where src is contiguous (rows are)
+        keep.append(flat)  # alive until its copies are done
+        for at, n in ranges:
+            self.block.narrow(0, at, n).copy_(flat.narrow(0, at - offset, n), non_blocking=non_blocking)
 
     def _dst(self, offset: int, src: Any) -> Any:
         nbytes = src.numel() * src.element_size()
@@ -189,7 +206,7 @@ class CallCapture:
             self.slab, taken = SLABS.take(max(size, 1))
             self.block = self.slab.block
             self.stats.update(taken, slab_reused=not taken["made_now"])
-        self.copier = _Copier(self.block, aux[0].device)
+        self.copier = _Copier(self.block, aux[0].device, self.slab.piece if self.slab is not None else 0)
 
     def finish(self) -> tuple[Any, list[tuple[int, int]]]:
         """Wait for the last copies; check every request got its whole prompt: the reply's spec and pieces."""

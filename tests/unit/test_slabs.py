@@ -1,0 +1,137 @@
+"""How a worker makes, pins and fills its states slabs (vllm_compat.transport, vllm_compat.capture), on the CPU.
+
+The hand-over between real processes is tested end to end in tests/e2e/test_transport.py and measured on a GPU by
+bench/extraction_throughput.py and bench/pin_registration.py. Here: what those cannot isolate. A slab made in a
+thread lets the worker's own thread run meanwhile (Python's ``mmap`` holds the GIL while it populates a mapping,
+which on an H200 host held a call up 0.26 s); CUDA registration goes in pieces, and a failed piece leaves nothing
+registered; a copy across the border of two pieces is split there (the driver refuses it whole) and lands intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from vllm_compat import capture, transport  # noqa: E402
+
+MIB = 1 << 20
+
+
+def test_piece_ranges_split_only_at_borders() -> None:
+    assert transport.piece_ranges(0, 100, 0) == [(0, 100)]
+    assert transport.piece_ranges(10, 20, 32) == [(10, 20)]
+    assert transport.piece_ranges(0, 64, 32) == [(0, 32), (32, 32)]
+    assert transport.piece_ranges(30, 40, 32) == [(30, 2), (32, 32), (64, 6)]
+    assert transport.piece_ranges(32, 32, 32) == [(32, 32)]
+    for offset in range(0, 100, 7):
+        for nbytes in range(1, 90, 11):
+            ranges = transport.piece_ranges(offset, nbytes, 16)
+            assert sum(n for _, n in ranges) == nbytes and ranges[0][0] == offset
+            assert all(at // 16 == (at + n - 1) // 16 for at, n in ranges), "no range crosses a border"
+            assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges)), "contiguous"
+
+
+def test_a_slab_is_sealed_shared_memory_with_every_page_in_place() -> None:
+    slab = transport.Slab.make(3 * MIB, device=None, pin=False)
+    try:
+        assert slab.size == 4 * MIB and not slab.pinned
+        assert slab.block.numel() == slab.size and int(slab.block.sum()) == 0
+        seals = fcntl.fcntl(slab.fd, fcntl.F_GET_SEALS)
+        assert seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        slab.block[-1] = 7  # the worker's own mapping writes
+        assert slab.block[-1] == 7
+    finally:
+        slab.close()
+    assert slab.block is None and slab.fd == -1
+
+
+def test_a_slab_is_not_populated_through_pythons_mmap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python's ``mmap`` keeps the GIL while it populates a mapping, which stopped the worker's steps while a spare
+    slab was made in a thread (0.26 s on an H200 host): slabs are mapped and filled through the C library, whose
+    calls through ctypes release the GIL."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("mmap.mmap used to make a slab")
+
+    monkeypatch.setattr(transport.mmap, "mmap", refuse)
+    slab = transport.Slab.make(4 * MIB, device=None, pin=False, background=True)
+    try:
+        slab.block.fill_(3)
+        assert int(slab.block[::4096].sum()) == 3 * (4 * MIB // 4096)
+    finally:
+        slab.close()
+    libc = transport._libc()
+    for call in (libc.mmap, libc.madvise, libc.munmap):  # not PyDLL's (which keeps the GIL)
+        assert not call._flags_ & transport.ctypes._FUNCFLAG_PYTHONAPI, "a ctypes.CDLL call: the GIL is released"
+
+
+class FakeCudart:
+    """Records what transport asks of CUDA; fails the ``fail_at``-th registration where asked."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.fail_at = fail_at
+        self.registered: dict[int, int] = {}
+        self.calls = 0
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            return 2  # cudaErrorMemoryAllocation
+        self.registered[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        del self.registered[address]
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch):
+    def install(cudart: FakeCudart) -> FakeCudart:
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+        monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+        return cudart
+
+    return install
+
+
+def test_a_slab_is_registered_in_pieces_and_unregistered_whole(fake_cuda, monkeypatch) -> None:
+    monkeypatch.setattr(transport, "PIN_PIECE", 2 * MIB)
+    cudart = fake_cuda(FakeCudart())
+    slab = transport.Slab.make(7 * MIB, device=0, pin=True)
+    base = slab.block.data_ptr()
+    assert slab.pinned and slab.piece == 2 * MIB
+    assert cudart.registered == {base + k * 2 * MIB: 2 * MIB for k in range(4)}, "8 MiB in four pieces"
+    slab.close()
+    assert cudart.registered == {}
+
+
+def test_a_failed_piece_leaves_nothing_registered(fake_cuda, monkeypatch) -> None:
+    monkeypatch.setattr(transport, "PIN_PIECE", 2 * MIB)
+    cudart = fake_cuda(FakeCudart(fail_at=3))
+    slab = transport.Slab.make(8 * MIB, device=0, pin=True)
+    try:
+        assert not slab.pinned and cudart.registered == {}, "pageable, and the two pieces made went back"
+    finally:
+        slab.close()
+
+
+def test_copies_across_piece_borders_land_intact() -> None:
+    """Rows that straddle a border are copied piece by piece (contiguous or not) and read back as they were."""
+    g = torch.Generator().manual_seed(0)
+    block = torch.zeros(4096, dtype=torch.uint8)
+    copier = capture._Copier(block, torch.device("cpu"), piece=96)
+    rows = torch.randn(10, 12, generator=g).to(torch.bfloat16)  # 24-byte rows: borders fall inside rows
+    strided = torch.randn(12, 20, generator=g).to(torch.bfloat16)[:, ::2]  # not contiguous
+    keep: list = []
+    copier.copy([(40, rows[1:9]), (1000, strided)], keep)
+    copier.finish()
+    got = block.narrow(0, 40, 8 * 24).view(torch.bfloat16).view(8, 12)
+    assert torch.equal(got, rows[1:9])
+    got = block.narrow(0, 1000, strided.numel() * 2).view(torch.bfloat16).view(strided.shape)
+    assert torch.equal(got, strided)
+    assert int(block[:40].sum()) == 0 and int(block[40 + 8 * 24 : 1000].sum()) == 0, "nothing written elsewhere"
