@@ -217,7 +217,7 @@ def brief(stats: dict | None) -> str:
     """One line of the hand-over's statistics for a progress line."""
     if not stats:
         return "n/a"
-    keys = ("bytes", "seconds", "overlapped_seconds", "slab_reused", "pinned")
+    keys = ("bytes", "seconds", "overlapped_seconds", "waited_seconds", "slab_reused", "pinned")
     parts = []
     for key in keys:
         value = stats.get(key)

@@ -92,6 +92,24 @@ def test_ratios_paired_by_round_and_call(bench):
     assert "| extract / prefill | 0.843 |" in summary.render(report)
 
 
+def test_the_resolution_of_a_per_call_ratio(bench):
+    """Prefill against itself, round by round, shows how much of a per-call ratio is the measurement's own spread."""
+    summary = bench["summary"]
+    report = _report(
+        {
+            "extract": _side([[1.0, 1.0, 1.0], [1.0, 2.0, 1.0]]),
+            "prefill": _side([[1.0, 0.9, 1.0], [1.0, 1.0, 1.1]]),
+        }
+    )
+    res = summary.derive(report)["goals"][""]["resolution"]
+    assert res["prefill_against_itself"] == {"worst": pytest.approx(0.9), "below": 2, "calls": 3}
+    assert res["vs_median"]["extract"] == {"worst": pytest.approx(0.5), "below": 1, "calls": 6}
+    assert res["vs_median"]["prefill"] == {"worst": pytest.approx(1 / 1.1), "below": 1, "calls": 6}
+    assert "prefill against itself, round r+1 vs round r, call by call | - | worst 0.900; 2 of 3 below" in (
+        summary.render(report)
+    )
+
+
 def test_runners_are_compared_within_their_own_runner(bench):
     summary = bench["summary"]
     report = _report(
