@@ -84,6 +84,19 @@ def installed_vllm_folder() -> Path | None:
     return Path(locations[0]).parent if locations else None
 
 
+def _refuse_older_release(version: str) -> None:
+    """A release older than those served is refused before its wheel is downloaded (hundreds of MB for nothing)."""
+    from vllm_compat.versions import VLLM_SERVED, served_range
+
+    if served_range(version) == "older":
+        raise SourceError(
+            f"vLLM {version} is older than the releases vllm-compat serves ({VLLM_SERVED[0]} to {VLLM_SERVED[1]}): "
+            "nothing downloaded. speculators 0.3.0 was built for vLLM 0.11.0 and 0.4.0.1 for 0.12 to 0.16; probe one "
+            f"of those or a later release. To probe {version} anyway, download its wheel "
+            f"(`pip download --no-deps vllm=={version}`) and pass the file to --source."
+        )
+
+
 def open_view(source: str | None, live: bool = False):
     """An ApiView for ``source``: None (the installed vLLM), a folder, a wheel, or ``vllm==X``.
 
@@ -113,6 +126,8 @@ def open_view(source: str | None, live: bool = False):
         except StaticSourceError as exc:
             raise SourceError(f"{exc}; `vllm-compat probe --live` imports the installed vLLM instead") from exc
     match = _RELEASE.match(source.strip())
+    if match:
+        _refuse_older_release(match["version"])
     path = fetch_release(match["version"]) if match else Path(source)
     if not path.exists():
         raise SourceError(f"{source}: no such file or folder, and not of the form vllm==X")

@@ -135,6 +135,23 @@ def test_missing_path_exits_2(tmp_path: Path, capsys) -> None:
         assert out == "", how
 
 
+def test_a_release_older_than_served_exits_2_without_downloading(tmp_path: Path, capsys, monkeypatch) -> None:
+    """``--source vllm==0.10.0`` once downloaded the wheel (hundreds of MB) before saying 0.10 is not served."""
+    import vllm_compat.sources as sources
+
+    def no_download(version: str, dest=None):
+        raise AssertionError(f"vllm=={version} was downloaded")
+
+    monkeypatch.setattr(sources, "fetch_release", no_download)
+    monkeypatch.setenv("VLLM_COMPAT_CACHE", str(tmp_path))  # the subprocesses: an empty cache, so a fetch would show
+    for how, rc, out, err in all_three(["probe", "--source", "vllm==0.10.0"], capsys):
+        assert rc == 2, how
+        assert "older than the releases vllm-compat serves" in err and "nothing downloaded" in err, how
+        assert "pip download --no-deps vllm==0.10.0" in err, how
+        assert out == "", how
+    assert not any(tmp_path.rglob("*.whl")), "no wheel fetched"
+
+
 def test_unreadable_wheel_exits_2(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "vllm-0.0.1-py3-none-any.whl"
     bad.write_bytes(b"this is not a zip file")
