@@ -7,8 +7,10 @@ H200 that reply was most of the extraction time.
 How, and what the caller can rely on:
 
 - The worker keeps a few *slabs*: anonymous shared memory (``memfd_create``: no name in any file system, so no
-  cleaner can remove it and nothing is left behind when a process dies), each mapped once, registered with CUDA as
-  pinned memory once, and sealed: its size can never change and no process can open it for writing
+  cleaner can remove it and nothing is left behind when a process dies), each mapped once with every page in place
+  (by a few threads, with the GIL released: a spare made while a call runs does not hold the call up), registered
+  with CUDA as pinned memory once (in pieces: the driver holds the worker's launches up while it registers), and
+  sealed: its size can never change and no process can open it for writing
   (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE``); only the mapping the worker made before sealing writes.
 - While a call's steps run, each step's captured rows are copied to their place in the call's slab
   (vllm_compat.capture lays a call out): on a GPU by DMA on a side stream, overlapped with the steps that follow.
