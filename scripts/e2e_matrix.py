@@ -413,12 +413,56 @@ print(json.dumps(sorted(vllm_compat.status()["applied"])))
 """
 
 
+_PRELOAD_CHECK = re.compile(r"""check_preloaded_libs\(\s*["'](\w+)["']""")
+_LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def required_preloads(venv: Path) -> list[str]:
+    """The libraries this vLLM's CPU worker refuses to start without in LD_PRELOAD (vLLM CPU 0.18: libtcmalloc and,
+    on x86, libiomp), read from its code; [] where it checks none."""
+    found = sorted(venv.glob("lib/python*/site-packages/vllm/v1/worker/cpu_worker.py"))
+    if not found:
+        return []
+    names = _PRELOAD_CHECK.findall(found[0].read_text())
+    if "libiomp" in names and os.uname().machine not in ("x86_64", "AMD64"):
+        names.remove("libiomp")
+    return list(dict.fromkeys(names))
+
+
+def preload_for(venv: Path, names: list[str]) -> tuple[str, list[str]]:
+    """LD_PRELOAD for ``names`` as vLLM's CPU installation guide sets it (the environment's own libiomp5, the
+    system's tcmalloc): the value, and the names no library was found for."""
+    paths, missing = [], []
+    for name in names:
+        pattern = {"libiomp": "libiomp5.so", "libtcmalloc": "libtcmalloc*.so*"}.get(name, f"{name}*.so*")
+        candidates = sorted(venv.glob(f"lib/{pattern}"))  # intel-openmp puts libiomp5 there
+        for folder in _LIBRARY_DIRS:
+            candidates += sorted(Path(folder).glob(pattern)) if Path(folder).is_dir() else []
+        real = [c for c in candidates if c.is_file() and "debug" not in c.name]
+        if real:
+            paths.append(str(min(real, key=lambda c: (len(c.name), c.name))))
+        else:
+            missing.append(name)
+    return ":".join(paths), missing
+
+
 def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -> dict[str, Any]:
     """Probe and test one cell in ``venv``; the record's test part (the caller adds the code and timing)."""
     env = {**os.environ, "PYTHONPATH": str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_COMPAT_DISABLE", None)
     env.pop("VLLM_COMPAT_E2E_REPORT", None)
     record: dict[str, Any] = {"versions": env_versions(venv, env)}
+    needed = required_preloads(venv)
+    if needed:
+        preload, missing = preload_for(venv, needed)
+        if missing:
+            raise RuntimeError(
+                f"vLLM {cell.vllm}'s CPU worker will not start without {', '.join(missing)} in LD_PRELOAD and no "
+                "such library was found (Debian/Ubuntu: apt-get install libtcmalloc-minimal4; libiomp comes with "
+                "intel-openmp)"
+            )
+        env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD", "")) if p)
+        record["ld_preload"] = preload
     t0 = time.perf_counter()
     probe = run([str(venv / "bin" / "vllm-compat"), "probe", "--strict"], env=env, check=False, timeout=600)
     record["probe_exit"] = probe.returncode

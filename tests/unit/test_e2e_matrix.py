@@ -254,3 +254,20 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_libraries_a_cpu_worker_needs_preloaded_are_found(matrix, tmp_path: Path) -> None:
+    """vLLM CPU 0.18's worker refuses to start unless LD_PRELOAD names libtcmalloc (and libiomp on x86)."""
+    venv = tmp_path / "venv"
+    worker = venv / "lib/python3.11/site-packages/vllm/v1/worker/cpu_worker.py"
+    worker.parent.mkdir(parents=True)
+    worker.write_text('check_preloaded_libs("libtcmalloc")\nif x86:\n    check_preloaded_libs("libiomp")\n')
+    (venv / "lib/libiomp5.so").write_bytes(b"\x7fELF")
+    names = matrix.required_preloads(venv)
+    assert names[0] == "libtcmalloc" and set(names) <= {"libtcmalloc", "libiomp"}
+    preload, missing = matrix.preload_for(venv, ["libiomp"])
+    assert preload == str(venv / "lib/libiomp5.so") and missing == []
+    _, missing = matrix.preload_for(venv, ["libnosuchthing"])
+    assert missing == ["libnosuchthing"]
+    worker.write_text("def init_device(self):\n    pass\n")
+    assert matrix.required_preloads(venv) == []
