@@ -49,6 +49,19 @@ def test_a_slab_is_sealed_shared_memory_with_every_page_in_place() -> None:
     assert slab.block is None and slab.fd == -1
 
 
+def test_a_kernel_without_populate_on_request_gets_a_whole_slab(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.14 ``MADV_POPULATE_WRITE`` is EINVAL: the slab is then allocated by fallocate and mapped
+    populated, and is as usable."""
+    monkeypatch.setattr(transport, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
+    slab = transport.Slab.make(5 * MIB, device=None, pin=False)
+    try:
+        assert slab.size == 6 * MIB and int(slab.block.sum()) == 0
+        slab.block.fill_(1)
+        assert int(slab.block.sum()) == 6 * MIB
+    finally:
+        slab.close()
+
+
 def test_a_slab_is_not_populated_through_pythons_mmap(monkeypatch: pytest.MonkeyPatch) -> None:
     """Python's ``mmap`` keeps the GIL while it populates a mapping, which stopped the worker's steps while a spare
     slab was made in a thread (0.26 s on an H200 host): slabs are mapped and filled through the C library, whose
