@@ -5,8 +5,9 @@ slab made while a call runs (the caller still holds the earlier calls' results) 
 copies up by as long as the registration took (issue: the first timed call of a run at 0.39x prefill). This
 bench measures, side by side in one process:
 
-- ``make``: memfd + fallocate + a populated mapping of ``--mib`` (what ``Slab.make`` does before pinning), with and
-  without ``MADV_HUGEPAGE`` (transparent huge pages for shared memory, where the kernel allows them);
+- ``make``: memfd + fallocate + a populated mapping of ``--mib`` (what ``Slab.make`` did before pinning until it
+  filled pages through the C library, with the GIL released; the kernel's work is the same), with and without
+  ``MADV_HUGEPAGE`` (transparent huge pages for shared memory, where the kernel allows them);
 - ``register``: ``cudaHostRegister`` of the whole slab, and of the same bytes in pieces of 2, 8 and 32 MiB;
 - ``contention``: the host latency of each small device-to-host copy (into memory pinned long before) and of a small
   kernel launch issued by the main thread every ``--every-ms`` while another thread registers a fresh slab: whole, in
