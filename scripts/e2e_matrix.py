@@ -414,16 +414,23 @@ print(json.dumps(sorted(vllm_compat.status()["applied"])))
 
 
 _PRELOAD_CHECK = re.compile(r"""check_preloaded_libs\(\s*["'](\w+)["']""")
+# The checker's own body, from its `def` to its first call: whether a missing library raises or only warns.
+_PRELOAD_CHECKER = re.compile(r"def check_preloaded_libs\(.*?\):(?P<body>.*?)check_preloaded_libs\(", re.S)
 _LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 def required_preloads(venv: Path) -> list[str]:
     """The libraries this vLLM's CPU worker refuses to start without in LD_PRELOAD (vLLM CPU 0.18: libtcmalloc and,
-    on x86, libiomp), read from its code; [] where it checks none."""
+    on x86, libiomp), read from its code; [] where it checks none or only warns (0.19 on: a missing one is a
+    warning, and preloading libiomp there would only leave its registration file in /dev/shm)."""
     found = sorted(venv.glob("lib/python*/site-packages/vllm/v1/worker/cpu_worker.py"))
     if not found:
         return []
-    names = _PRELOAD_CHECK.findall(found[0].read_text())
+    source = found[0].read_text()
+    checker = _PRELOAD_CHECKER.search(source)
+    if checker is None or "raise " not in checker.group("body"):
+        return []
+    names = _PRELOAD_CHECK.findall(source)
     if "libiomp" in names and os.uname().machine not in ("x86_64", "AMD64"):
         names.remove("libiomp")
     return list(dict.fromkeys(names))
@@ -452,7 +459,7 @@ def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -
     env.pop("VLLM_COMPAT_DISABLE", None)
     env.pop("VLLM_COMPAT_E2E_REPORT", None)
     record: dict[str, Any] = {"versions": env_versions(venv, env)}
-    needed = required_preloads(venv)
+    needed = required_preloads(venv) if cell.kind != "import" else []  # an import starts no worker
     if needed:
         preload, missing = preload_for(venv, needed)
         if missing:
