@@ -199,7 +199,7 @@ def test_no_call_waits_for_a_slab_to_be_made(worker: Worker) -> None:
     results were still alive (``results = generate(...)`` in a loop). 96 MiB calls, so that making a slab shows."""
     plan = plan_of([2048, 2048])
     size = 3 * 4096 * 4096 * 2
-    assert worker.ask(op="prepare", size=size)["slabs"] == 2
+    assert worker.ask(op="prepare", size=size)["slabs"] == 1 + transport.MOST_SPARES
     held = None
     for seed in range(1, 5):
         answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=4096)
@@ -209,10 +209,28 @@ def test_no_call_waits_for_a_slab_to_be_made(worker: Worker) -> None:
     assert held["req_0_1"][2].shape == (2048, 4096)
 
 
+def test_a_caller_keeping_a_warm_up_and_the_last_result_never_waits(worker: Worker) -> None:
+    """The benchmark's caller on the H200 (2026-12-02): it kept its warm-up call's results all run and each call's
+    while the next ran, so its second timed call needed a third slab, made only when the first took the last free
+    one: it waited 0.175 s for it. Two spares are made ahead while making one is slower than a call."""
+    plan = plan_of([2048, 2048])
+    assert worker.ask(op="prepare", size=3 * 4096 * 4096 * 2)["slabs"] == 1 + transport.MOST_SPARES
+    answer, out = worker.call(plan, one_step(plan), seed=1, hidden=4096)
+    warm_up = pickle.loads(out.read_bytes())
+    held = None
+    for seed in range(2, 7):
+        answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=4096)
+        stats = answer["stats"]
+        assert stats["made_now"] is False and stats["waited_seconds"] < 0.01, (seed, stats)
+        held = pickle.loads(out.read_bytes())
+    assert held["req_0_1"][2].shape == warm_up["req_0_1"][2].shape == (2048, 4096)
+    assert worker.ask(op="slabs")["slabs"] <= 3 + transport.MOST_SPARES
+
+
 def test_a_caller_keeping_every_result_gets_spares_made_ahead(worker: Worker) -> None:
     """A notebook keeping every call's results: each call finds a slab made by the thread while the one before ran."""
     plan = plan_of([256, 256])
-    assert worker.ask(op="prepare", size=3 * 256 * 2 * HIDDEN * 2)["slabs"] == 2
+    assert worker.ask(op="prepare", size=3 * 256 * 2 * HIDDEN * 2)["slabs"] == 1 + transport.MOST_SPARES
     kept, made = [], []
     for seed in range(1, 6):
         answer, out = worker.call(plan, one_step(plan), seed=seed)
@@ -267,7 +285,9 @@ def test_later_calls_never_change_earlier_results(worker: Worker) -> None:
         speculators_copy(worker.reply(PLAN, STEPS, seed=seed), PLAN, "0.4.0.1")
     assert same(first, expected_samples(PLAN))
     slabs = worker.ask(op="slabs")
-    assert slabs["slabs"] <= 3, f"a held call keeps one slab; dropped calls' slabs are reused ({slabs})"
+    assert slabs["slabs"] <= 2 + transport.MOST_SPARES, (
+        f"a held call keeps one slab; dropped calls' are reused ({slabs})"
+    )
 
 
 def test_calls_whose_results_are_dropped_reuse_one_slab(worker: Worker) -> None:
@@ -276,7 +296,7 @@ def test_calls_whose_results_are_dropped_reuse_one_slab(worker: Worker) -> None:
             speculators_copy(worker.reply(PLAN, STEPS, seed=seed), PLAN, "0.4.0.1"), expected_samples(PLAN, seed)
         )
     slabs = worker.ask(op="slabs")
-    assert slabs["slabs"] <= 2 and slabs["free"] == slabs["slabs"], slabs
+    assert slabs["slabs"] <= 1 + transport.MOST_SPARES and slabs["free"] == slabs["slabs"], slabs
 
 
 def test_fork_gives_the_child_a_snapshot(worker: Worker) -> None:
