@@ -92,6 +92,7 @@ def main() -> int:
             "prefix_caching": bool(generator.vllm_config.cache_config.enable_prefix_caching),
             "max_num_batched_tokens": generator.vllm_config.scheduler_config.max_num_batched_tokens,
             "block_hasher": getattr(generator, "block_hasher", None) is not None,
+            "steps_in_flight": _steps_in_flight(generator.executor),
             "status": status,
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
@@ -101,6 +102,12 @@ def main() -> int:
         args.out,
     )
     return 0
+
+
+def _steps_in_flight(executor) -> dict | None:
+    """steps-in-flight's record on the generator's executor: how many steps it allows, and the most it saw."""
+    steps = getattr(executor, "_vllm_compat_steps", None)
+    return None if steps is None else {"depth": steps.depth, "peak": steps.peak}
 
 
 def _keep_compat_log() -> list[str]:

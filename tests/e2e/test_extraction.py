@@ -8,8 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from tests.e2e.conftest import TOLERANCE, max_diff, run_extract, transformers_states
+from vllm_compat.versions import installed_version
 
 pytestmark = pytest.mark.e2e
 REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")  # where the matrix runner collects per-cell numbers
@@ -36,6 +38,10 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
     _record("worker_applied", sorted(run.data["workers"][0]["applied"]))
     assert diff < TOLERANCE
     assert not run.data["prefix_caching"] and not run.data["block_hasher"], "no block hashes for a cache that is off"
+    # the generator sent each step before the last one's reply: two in flight (a call's prompts span several steps),
+    # from vLLM 0.11.1 on (0.11.0 runs a step in one execute_model() call: one at a time, as speculators does)
+    two_phase = installed_version("vllm") >= Version("0.11.1")
+    assert run.data["steps_in_flight"] == ({"depth": 2, "peak": 2} if two_phase else None), run.data["steps_in_flight"]
     # the plugin route: every worker is another process in which the entry point installed vllm-compat
     assert run.data["workers"], "no worker answered"
     for worker in run.data["workers"]:
@@ -66,6 +72,17 @@ def assert_variables_reach_the_workers_only(data: dict) -> None:
     for worker in data["workers"]:
         assert worker["env"]["VLLM_COMPAT_ACTIVE"] == "1", worker["env"]
         assert worker["env"]["VLLM_USE_V2_MODEL_RUNNER"] == (pinned or env["start"]["VLLM_USE_V2_MODEL_RUNNER"])
+
+
+def test_one_step_at_a_time_where_asked(tiny_model, calls, reference, tmp_path) -> None:
+    """``VLLM_COMPAT_STEPS_IN_FLIGHT=1``: the generator waits for each step's reply, as speculators alone does; the
+    states are the same as with two steps in flight (test_states_match_transformers)."""
+    run = run_extract(tiny_model, calls, tmp_path, env={"VLLM_COMPAT_STEPS_IN_FLIGHT": "1"})
+    assert run.returncode == 0, run.stderr
+    assert run.data["steps_in_flight"] is None
+    diff = max_diff(run.data["outputs"], calls, reference)
+    _record("one_step_at_a_time_max_abs_diff", diff)
+    assert diff < TOLERANCE
 
 
 def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_path) -> None:
