@@ -140,7 +140,8 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
     log(out, name, f"generator ready in {result['init_seconds']:.1f}s; layers {generator.layer_ids}; {runner}")
     hidden = generator.vllm_config.model_config.get_hidden_size()
     calls = prompt_calls(args)
-    checked = sorted(set(generator.layer_ids))  # the worker captures each chosen layer once, in the model's order
+    requested = list(generator.layer_ids)  # one state per id, in this order (a repeated id's state is a copy)
+    checked = sorted(set(requested))  # each layer once, in the model's order, as the other sides keep them
 
     def one_call(call: list[list[int]]) -> tuple[list[dict], dict]:
         timing.reset()
@@ -150,7 +151,7 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
         if len(results) != len(call):
             raise RuntimeError(f"generate() returned {len(results)} results for {len(call)} prompts")
         for ids, got in zip(call, results, strict=True):
-            if got["input_ids"].tolist() != ids or len(got["hidden_states"]) != len(checked):
+            if got["input_ids"].tolist() != ids or len(got["hidden_states"]) != len(requested):
                 raise RuntimeError("generate() returned other prompts, or another number of layers, than asked")
             if any(h.shape != (len(ids), hidden) for h in got["hidden_states"]):
                 raise RuntimeError(f"states of shapes {[tuple(h.shape) for h in got['hidden_states']]}")
@@ -189,10 +190,13 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
             )
             if r == 0 and args.warmup_calls + j == check_call(args) and extra.get("sample"):
                 positions = check_positions(args)
-                states = [results[p]["hidden_states"] for p in positions]
+                states = [[results[p]["hidden_states"][requested.index(k)] for k in checked] for p in positions]
                 save_sample(out, name, call, positions, checked, states)
                 result["check_steps"] = entry["steps"]
     result["stopped"] = rounds.stopped
+    steps = getattr(generator.executor, "_vllm_compat_steps", None)  # vllm-compat's steps-in-flight, where it runs
+    result["steps_in_flight"] = None if steps is None else {"depth": steps.depth, "peak": steps.peak}
+    log(out, name, f"engine steps in flight: {result['steps_in_flight'] or 'one at a time'}")
     # speculators' copy of the returned states where it really copies (without the hand-over): timed alone
     copy_seconds = []
     for _ in range(2):

@@ -375,7 +375,15 @@ def call_table(report: dict, runner: str | None) -> list[str]:
     handover = e in names
     head = ["round", "call", *cols, *(x[0] for x in extra)]
     if handover:
-        head += ["collect RPC s", "hand-over exposed s", "overlapped s", "waited s", "MiB", "slab reused", "pinned"]
+        head += [
+            "collect RPC s (with steps in flight)",
+            "hand-over exposed s",
+            "overlapped s",
+            "waited s",
+            "MiB",
+            "slab reused",
+            "pinned",
+        ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rounds = max(len(sides[n]["rounds"]) for n in names)
     for r in range(rounds):
