@@ -248,6 +248,12 @@ def test_the_scripts_defaults(pipeline: dict[str, Any], script_defaults: dict[st
     assert len(lines) == 1, log[-3000:]
     assert f"line {generated['line']}, judged from its code" in lines[0] and "0 unhandled" in lines[0]
     assert len(list(script_defaults["data"].glob("data_*.pt"))) == generated["samples"] == SAMPLES
+    # the run's metadata is written to its end, on a host without the accelerator torch was built for too
+    metadata = (script_defaults["data"] / "data_config.json").read_text()
+    if torch.accelerator.current_accelerator(check_available=True) is None:
+        assert "cpu only" in metadata.lower(), metadata[:2000]
+        if torch.accelerator.current_accelerator() is not None and generated["line"] == "0.4.0.1":
+            assert "accelerator-name-without-driver" in generated["status"]["applied"]
     worst, relative = compare_samples(script_defaults["data"], pipeline["model"])
     _record("script_defaults_bf16_max_abs_diff", worst)
     _record("script_defaults_bf16_max_relative_diff", relative)

@@ -36,14 +36,11 @@ What differs from those scripts, each a test-harness choice forced by running on
   CPU) and records the difference;
 - data loaders without worker processes (the script's 12, pinned memory, persistent workers); speculators' metric
   loggers replaced by a handler that keeps the metrics; one epoch; tiny model, sequence and vocabulary sizes;
-- no accelerator (generate): speculators 0.4.0.1's ``DataGenerationConfig.from_generator`` records the GPU's name
-  through ``speculators.utils.util.get_device_name(0)``, which asks torch for the accelerator it was *compiled*
-  with (``torch.accelerator.current_accelerator()``, no run-time check). With a CUDA build of torch on a host
-  without an NVIDIA driver (PyPI's default ``torch==X`` wheel, which a CPU environment may hold instead of the
-  ``+cpu`` build vLLM's CPU wheel names) that is ``cuda``, and ``torch.cuda.get_device_name(0)`` raises "Found no
-  NVIDIA driver". The harness then makes that metadata say what a CPU build of torch makes it say ("NO
-  ACCELERATOR" -> ``"CPU ONLY"``); 0.3.0 checks ``torch.cuda.is_available()`` itself. Metadata only: the
-  extracted states are untouched.
+
+Not a harness choice: on a host without the accelerator torch was built for (PyPI's plain ``torch`` wheel, a CUDA
+build, beside vLLM's CPU build), speculators 0.4.0.1's ``DataGenerationConfig.from_generator`` fails asking for the
+GPU's name; vllm-compat's ``accelerator-name-without-driver`` makes the metadata say "CPU ONLY" there, and this
+stage runs speculators' code as it is.
 
 Each stage writes what it did to ``--report`` (JSON), including ``vllm_compat.status()`` when vllm-compat is active in
 the process (read from ``sys.modules``: the script does not import it).
@@ -98,7 +95,6 @@ def generate(args: argparse.Namespace) -> dict:
     )
     if args.dtype:
         _force_dtype(args.dtype)
-    _no_accelerator_metadata()
     # generate_and_save_hidden_states(): resume point, generator, batches, saves on a thread pool, lengths, config
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -194,19 +190,6 @@ def _force_dtype(dtype: str) -> None:
         return original(*args, **kwargs)
 
     module.ModelConfig = model_config
-
-
-def _no_accelerator_metadata() -> None:
-    """Where torch was built for an accelerator the host lacks, speculators 0.4.0.1's metadata says "CPU ONLY"."""
-    import torch
-    from speculators.data_generation import config_generator as module
-
-    if not hasattr(module, "get_device_name"):  # 0.3.0: checks torch.cuda.is_available() before asking for names
-        return
-    built_for = torch.accelerator.current_accelerator()
-    if built_for is None or torch.accelerator.current_accelerator(check_available=True) is not None:
-        return  # a CPU build of torch (speculators answers itself), or a usable accelerator
-    module.get_device_name = lambda _idx: "NO ACCELERATOR"  # what its own helper returns with a CPU build of torch
 
 
 # -- stage 2: scripts/build_vocab_mapping.py ------------------------------------------------------------------------
