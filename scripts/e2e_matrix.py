@@ -196,6 +196,18 @@ def _from_format_1(cell: dict) -> dict:
     }  # fmt: skip
 
 
+def untested_attempt(previous: dict | None, attempt: dict) -> dict:
+    """The record of a cell whose environment could not be built or started here (no test ran): a pass on record
+    stands, with the attempt beside it, since nothing was learnt about the code (a host lacking a library vLLM's CPU
+    worker preloads, say); otherwise the attempt is the record."""
+    if previous and previous.get("passed"):
+        cell = f"{attempt['speculators']}@{attempt['vllm']}"
+        log(f"{cell}: no test ran; the pass of {str(previous.get('commit', ''))[:10]} stands")
+        kept = {k: v for k, v in attempt.items() if k in ("date", "commit", "error")}
+        return {**previous, "untested_attempt": kept}
+    return attempt
+
+
 def save_report(path: Path, records: dict[str, dict]) -> None:
     """Write all records, in matrix order, to a temporary file renamed over ``path`` (never half written)."""
     order = {cell: i for i, cell in enumerate(ALL_CELLS)}
@@ -651,13 +663,14 @@ def main(argv: list[str] | None = None) -> int:
             for cell in group:
                 if cell.id not in ran:
                     fp = fingerprint()
-                    records[cell.id] = {
+                    attempt = {
                         "speculators": cell.speculators, "vllm": cell.vllm, "kind": cell.kind,
                         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": fp.commit,
                         "dirty": fp.dirty, "trees": fp.trees, "suite": cell.suite, "passed": False,
                         "failed": ["environment"], "tests": {"summary": "environment not built"},
                         "error": str(exc)[-4000:], "seconds": round(time.perf_counter() - started, 1),
                     }  # fmt: skip
+                    records[cell.id] = untested_attempt(records.get(cell.id), attempt)
                     ran.append(cell.id)
             save_report(args.report, records)
         finally:

@@ -281,3 +281,16 @@ def test_libraries_a_cpu_worker_needs_preloaded_are_found(matrix, tmp_path: Path
     # registration file in /dev/shm)
     worker.write_text(checker.format("logger.warning('%s is not found in LD_PRELOAD', name)\n        return False"))
     assert matrix.required_preloads(venv) == []
+
+
+def test_an_attempt_that_ran_no_test_leaves_a_pass_on_record(matrix, repo: Path) -> None:
+    """A host that cannot start a release's CPU worker (a library it preloads is missing) learns nothing about the
+    code: the earlier pass stands, the attempt beside it; without a pass the attempt is the record."""
+    fp = matrix.fingerprint(repo)
+    attempt = {"speculators": "0.3.0", "vllm": "0.18.0", "passed": False, "failed": ["environment"],
+               "date": "2026-12-03T00:00:00Z", "commit": "abc", "error": "no libtcmalloc"}  # fmt: skip
+    kept = matrix.untested_attempt(passed_record(fp), attempt)
+    assert kept["passed"] and kept["commit"] == fp.commit
+    assert kept["untested_attempt"] == {"date": "2026-12-03T00:00:00Z", "commit": "abc", "error": "no libtcmalloc"}
+    assert matrix.untested_attempt(None, attempt) is attempt
+    assert matrix.untested_attempt({**passed_record(fp), "passed": False}, attempt) is attempt
