@@ -65,13 +65,12 @@ class StepsInFlight(Adapter):
             wrap_instance_method(executor, "collective_rpc", steps.other_rpc)
 
         def generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            steps = getattr(getattr(instance, "executor", None), "_vllm_compat_steps", None)
-            if steps is None:
-                return wrapped(*args, **kwargs)
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                steps.settle()  # a call that failed between steps leaves none in flight for the next one
+                steps = getattr(getattr(instance, "executor", None), "_vllm_compat_steps", None)
+                if steps is not None:
+                    steps.settle()  # a call that failed between steps leaves none in flight for the next one
 
         self.wrap(module, "MultiprocExecutor", after_construct(hook))
         self.wrap(module, "VllmHiddenStatesGenerator.generate", generate)
