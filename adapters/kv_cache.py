@@ -45,6 +45,35 @@ class KvPlanningHelpersMoved(Adapter):
                 self.set_attr(module, name, getattr(planning, name))
 
 
+class ExtensibleKvCacheOff(Adapter):
+    """Commit the whole KV cache when the workers initialise it, as every release before vLLM 0.34.0 did.
+
+    What broke: vLLM 0.34.0 turns the extensible KV cache on by default on CUDA and ROCm
+    (``VllmConfig._resolve_extensible_kv_cache``): the workers reserve the cache's address range, commit only the
+    pages the warm-up touches, and EngineCore commits the rest with ``finalize_extensible_kv_cache()`` and
+    ``executor.extend_kv_cache()``. speculators' generator skips EngineCore and plans the cache itself, so its
+    Scheduler hands out blocks that were never committed: on an H200 the first call larger than the warm-up died
+    with an illegal memory access.
+    Where fixed: speculators' CacheConfig call (``enable_extensible_kv_cache=False``), so the cache is allocated whole
+    in ``initialize_from_config`` from the budget speculators computed, before the warm-up. The extensible cache
+    sizes the cache after CUDA-graph capture; speculators runs eagerly, so it gains nothing from it.
+    Removable when: speculators drives vLLM's engine, or its generator extends the cache itself.
+    """
+
+    id = "extensible-kv-cache-off"
+    covers = {"kv_cache.commitment": {"on_by_default"}}
+    target = GENERATOR_MODULE
+    first_vllm = "0.34.0"
+
+    def apply(self, module: ModuleType) -> None:
+        def fix(cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+            if kwargs.setdefault("enable_extensible_kv_cache", False) is not False:
+                logger.info("vllm-compat: speculators asked for the extensible KV cache; left as asked")
+            return kwargs
+
+        self.wrap(module, "CacheConfig", rewrite_kwargs(fix))
+
+
 class KvCacheSpecsKwarg(Adapter):
     """``get_kv_cache_config_from_groups`` lost its ``kv_cache_specs`` parameter.
 
