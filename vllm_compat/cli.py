@@ -12,6 +12,7 @@ from pathlib import Path
 
 from vllm_compat.errors import SourceError
 from vllm_compat.lines import judge_line
+from vllm_compat.proof import proof_for
 from vllm_compat.versions import SPECULATORS_LINES, speculators_line
 
 __all__ = ["main"]
@@ -33,7 +34,8 @@ def _parser() -> argparse.ArgumentParser:
         help="report vLLM API drift that speculators would hit, without loading a model",
         description=(
             "Exit codes: 0 every drift is covered by an adapter; 1 some drift is unhandled "
-            "(with --strict: or some fact could not be established); 2 usage or environment error."
+            "(with --strict: or some fact could not be established, or the release was not proven end to end "
+            "and --allow-code-only was not given); 2 usage or environment error."
         ),
     )
     probe.add_argument(
@@ -68,7 +70,16 @@ def _parser() -> argparse.ArgumentParser:
         help="judge the model families of this model (the architectures in its config.json)",
     )
     probe.add_argument("--json", action="store_true", help="print the JSON report (docs/json-report.md)")
-    probe.add_argument("--strict", action="store_true", help="count unknown findings as unhandled")
+    probe.add_argument(
+        "--strict",
+        action="store_true",
+        help="count unknown findings as unhandled, and refuse a release not proven end to end (see --allow-code-only)",
+    )
+    probe.add_argument(
+        "--allow-code-only",
+        action="store_true",
+        help="with --strict, accept a release judged by its code only (no end-to-end run of it on record)",
+    )
     probe.add_argument(
         "--all", action="store_true", dest="show_all", help="list the baseline facts too (by default: left out)"
     )
@@ -176,15 +187,18 @@ def _probe(args: argparse.Namespace) -> int:
     plan = probe_plan(args.source, args.speculators, families, live=args.live)
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
+    proofs = [proof_for(plan.vllm_version, line) for line in plan.lines]
+    refused = args.strict and not args.allow_code_only and not all(p.proven for p in proofs)
     if args.json:
-        text = render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown)
+        text = render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown, proofs=proofs,
+                           refused=refused)  # fmt: skip
     else:
         text = render_table(
             plan, _origin(args, plan), args.strict, args.verbose, judged=how, line_unknown=line_unknown,
-            show_all=args.show_all,
+            show_all=args.show_all, proofs=proofs, refused=refused,
         )  # fmt: skip
     print(text, file=report_to, flush=True)
-    return EXIT_OK if plan.passes(args.strict) and not line_unknown else EXIT_DRIFT
+    return EXIT_OK if plan.passes(args.strict) and not line_unknown and not refused else EXIT_DRIFT
 
 
 def _origin(args: argparse.Namespace, plan) -> str:

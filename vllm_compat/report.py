@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Sequence
 
 from vllm_compat.findings import Finding, State
 from vllm_compat.plan import Plan
+from vllm_compat.proof import Proof
 from vllm_compat.versions import VLLM_SERVED, served_range
 
 __all__ = ["render_json", "render_table"]
@@ -15,15 +17,24 @@ SERVED = f"{VLLM_SERVED[0].rsplit('.', 1)[0]} to {VLLM_SERVED[1].rsplit('.', 1)[
 
 
 def render_json(
-    plan: Plan, speculators_installed: str | None, strict: bool, judged: str | None = None, line_unknown: bool = False
+    plan: Plan,
+    speculators_installed: str | None,
+    strict: bool,
+    judged: str | None = None,
+    line_unknown: bool = False,
+    proofs: Sequence[Proof] = (),
+    refused: bool = False,
 ) -> str:
     """The JSON report; ``judged`` says how the speculators line was chosen; with ``line_unknown`` (the speculators
-    code matches neither line, so the generator's guard would stop) it is not ok."""
+    code matches neither line, so the generator's guard would stop) or ``refused`` (strict mode and a release not
+    proven end to end) it is not ok."""
     data = plan.to_json(speculators_installed, strict)
     if judged is not None:
         data["speculators_judged"] = judged
     data["vllm_range"] = served_range(plan.vllm_version)
-    data["ok"] = bool(data["ok"]) and not line_unknown
+    data["proof"] = [p.to_json() for p in proofs]
+    data["refused_unproven"] = refused
+    data["ok"] = bool(data["ok"]) and not line_unknown and not refused
     return json.dumps(data, indent=2, sort_keys=False)
 
 
@@ -35,12 +46,17 @@ def render_table(
     judged: str | None = None,
     line_unknown: bool = False,
     show_all: bool = False,
+    proofs: Sequence[Proof] = (),
+    refused: bool = False,
 ) -> str:
     """The report for people: the verdict first, then the rows that need a look (drifted, unknown); ``show_all``
     adds the baseline rows, ``verbose`` their details too."""
-    passes = plan.passes(strict) and not line_unknown
+    passes = plan.passes(strict) and not line_unknown and not refused
     out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({origin})"]
-    out += _verdict(plan, strict, passes, line_unknown)
+    out += _verdict(plan, strict, passes, line_unknown, refused)
+    out += [
+        textwrap.fill(f"proof, speculators {p.line}: {p.detail}", width=118, subsequent_indent="    ") for p in proofs
+    ]
     if judged is not None:
         out.append(f"speculators: {judged}")
     out.append(f"model families judged: {', '.join(plan.families)}{_families_hint(plan)}")
@@ -70,7 +86,7 @@ def render_table(
     return "\n".join(out)
 
 
-def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list[str]:
+def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused: bool = False) -> list[str]:
     """The verdict and, where it fails, what is not covered and what to do."""
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
@@ -79,6 +95,8 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list
         f"{len(_probes(plan.unhandled_drift))} unhandled), {len(_probes(plan.unknown))} unknown"
     )
     strictly = " (strict: unknown counts as unhandled)" if strict else ""
+    if refused:
+        strictly += "; not proven end to end"
     lines = [f"verdict: {'OK' if passes else 'FAIL'}: {counts}{strictly}"]
     where = served_range(plan.vllm_version)
     notes = []
@@ -89,8 +107,16 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool) -> list
         )
     elif where == "newer":
         notes.append(
-            f"vLLM {plan.vllm_version} is newer than the releases vllm-compat was tested on ({SERVED}): judged on its "
-            "code by the same probes; run the end-to-end comparison before relying on it"
+            f"vLLM {plan.vllm_version} is newer than the releases the probes were checked against ({SERVED}): "
+            "judged on its code by the same probes"
+        )
+    if refused:
+        notes.append(
+            "refused: --strict accepts only what was proven end to end, and this release was not (see 'proof' below). "
+            "Prove it: run speculators' own data_generation_offline.py through `vllm-compat run` on a small model and "
+            "judge the states (from a checkout of vllm-compat: `python scripts/e2e_matrix.py --cells LINE@VERSION` "
+            "where vLLM has a CPU build; docs/ci.md says how), or accept the judgement of its code with "
+            "--allow-code-only"
         )
     if line_unknown:
         notes.append(

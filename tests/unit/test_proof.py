@@ -1,0 +1,68 @@
+"""What counts as proven end to end, and the shipped record kept in step with docs/e2e-matrix.json.
+
+`vllm-compat probe --strict` on real wheels (0.32.0 proven, 0.34.0 refused unless --allow-code-only) is in
+tests/drift/test_proof.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_compat.proof import RECORD_FILE, load_record, proof_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RECORD = {
+    "0.4.0.1": {
+        "0.12.0": {"kinds": ["e2e"], "passed": True, "date": "2026-12-01"},
+        "0.13.0": {"kinds": ["e2e"], "passed": False, "date": "2026-12-01"},
+        "0.20.0": {"kinds": ["e2e"], "passed": True, "date": "2026-12-02"},
+        "0.33.0": {"kinds": ["import"], "passed": True, "date": "2026-12-03"},
+        "0.34.0": {"kinds": ["gpu"], "passed": True, "date": "2026-12-04"},
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("vllm", "level", "said"),
+    [
+        ("0.12.0", "end_to_end", "passed end to end on vLLM's CPU build (2026-12-01)"),
+        ("0.12.0+cpu", "end_to_end", "passed end to end"),
+        ("0.34.0", "end_to_end", "passed end to end on a GPU (2026-12-04)"),
+        ("0.15.1", "inside_range", "releases before and after it passed end to end (0.12.0 to 0.34.0)"),
+        ("0.13.0", "failed", "its end-to-end run failed"),
+        ("0.33.0", "import_only", "only its imports were checked"),
+        ("0.35.0", "code_only", "judged by its code only (the newest release that passed end to end: 0.34.0)"),
+        ("0.11.0", "code_only", "no end-to-end run on record"),
+        (None, "code_only", "could not be told"),
+    ],
+)
+def test_levels(vllm: str | None, level: str, said: str) -> None:
+    proof = proof_for(vllm, "0.4.0.1", RECORD)
+    assert proof.level == level and said in proof.detail
+    assert proof.proven is (level in {"end_to_end", "inside_range"})
+    assert proof.to_json()["proven"] is proof.proven
+
+
+def test_a_line_with_no_runs_is_code_only() -> None:
+    assert proof_for("0.12.0", "0.3.0", RECORD).level == "code_only"
+
+
+def test_the_shipped_record_is_made_from_the_matrix() -> None:
+    spec = importlib.util.spec_from_file_location("gen_docs_for_proof", ROOT / "scripts" / "gen_docs.py")
+    gen_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_docs)
+    assert RECORD_FILE.read_text() == gen_docs.proof_record(gen_docs.DEFAULT_E2E_REPORT), (
+        "vllm_compat/e2e_record.json is out of date: run python scripts/gen_docs.py"
+    )
+    cells = json.loads((ROOT / "docs" / "e2e-matrix.json").read_text())["cells"]
+    record = load_record()
+    for cell in cells.values():
+        entry = record[cell["speculators"]][cell["vllm"]]
+        assert entry["passed"] or not cell["passed"]  # a pass on record is never lost
+        if cell["passed"]:
+            assert cell["kind"] in entry["kinds"]
