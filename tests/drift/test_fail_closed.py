@@ -153,3 +153,33 @@ def test_changed_return_convention(tree: Path) -> None:
         [sys.executable, "-m", "vllm_compat.cli", "probe", "--source", str(tree)], capture_output=True, timeout=300
     )
     assert lenient.returncode == 0
+
+
+def test_extensible_kv_cache_forced_on(vllm_tree) -> None:
+    """vLLM 0.34.0, but its resolver turns the extensible KV cache on whatever was asked: the explicit False that
+    extensible-kv-cache-off passes would not hold, so the drift is unhandled."""
+    tree = vllm_tree("0.34.0")
+    edit(
+        tree,
+        "vllm/config/vllm.py",  # vllm/config/vllm.py:3250 in 0.34.0
+        "        if requested is None:\n            enabled = unsupported is None",
+        "        if True:\n            enabled = unsupported is None",
+    )
+    probe, symbol = "kv_cache.commitment", "vllm.config.CacheConfig.enable_extensible_kv_cache"
+    found = unhandled(make_plan(StaticView(tree), LINES), probe)
+    assert {f.speculators for f in found} == set(LINES)
+    assert all(f.variant == "forced" and f.adapter is None for f in found)
+    assert_cli_fails_closed(tree, probe, symbol, "drifted", "whatever was asked")
+
+
+def test_a_new_engine_start_up_step(vllm_tree) -> None:
+    """vLLM 0.34.0, but EngineCore's start-up asks the executor for one more thing: nobody reviewed whether
+    speculators' hand-built engine needs it, so it is unhandled (as extend_kv_cache should have been)."""
+    tree = vllm_tree("0.34.0")
+    anchor = "            self.model_executor.extend_kv_cache(num_blocks)\n"  # vllm/v1/engine/core.py:418 in 0.34.0
+    edit(tree, "vllm/v1/engine/core.py", anchor, anchor + "            self.model_executor.pin_kv_cache_pages()\n")
+    probe, symbol = "engine.startup_steps", "vllm.v1.engine.core.EngineCore._initialize_kv_caches"
+    found = unhandled(make_plan(StaticView(tree), LINES), probe)
+    assert {f.speculators for f in found} == set(LINES)
+    assert all(f.variant == "unreviewed=pin_kv_cache_pages" for f in found)
+    assert_cli_fails_closed(tree, probe, symbol, "drifted", "pin_kv_cache_pages")

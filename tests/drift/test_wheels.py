@@ -191,6 +191,31 @@ EXPECTED_DRIFT: dict[str, set[Drift]] = {
         *both(_FROM_GROUPS, "moved"),
         *both(_UNIFY, "moved"),
     },
+    # Model Runner V1 deleted (no vllm/v1/worker/gpu_model_runner.py, gpu_input_batch.py); extensible KV cache
+    "0.34.0": {
+        ("scheduler.chunked_prefill", V030, "chunked"),  # vllm/config/scheduler.py:23
+        ("scheduler.scheduler_kwargs", V030, "requires=block_size"),  # vllm/v1/core/sched/scheduler.py:86
+        ("config.scheduler_config_kwargs", V030, "requires=is_encoder_decoder"),  # vllm/config/scheduler.py:23
+        ("config.prefix_caching_default", V030, "on"),  # vllm/config/cache.py:181
+        ("kv_cache.config_from_groups_kwargs", V030, "rejects=kv_cache_specs"),  # vllm/v1/core/kv_cache_planning.py:685
+        ("executor.execute_model_protocol", V030, "two_phase"),  # vllm/v1/executor/multiproc_executor.py:443
+        ("executor.unique_reply_shape", V030, "single"),  # vllm/v1/executor/multiproc_executor.py:471
+        ("model.embedding_method", V030, "embed_input_ids"),  # vllm/model_executor/models/llama.py:403
+        *both("config.async_scheduling_default", "auto"),  # vllm/config/scheduler.py:23
+        *both("request.request_kwargs", "rejects=eos_token_id"),  # vllm/v1/request.py:63
+        *both("config.model_runner_default", "v2_only"),  # vllm/v1/worker/gpu/model_runner.py:206, no V1 module
+        *both("model_runner.v1_attributes", "absent"),  # no vllm/v1/worker/gpu_model_runner.py
+        *both("scheduler.batch_order", "absent"),  # no vllm/v1/worker/gpu_input_batch.py
+        *both("executor.warmup_in_initialize", "separate"),  # vllm/v1/executor/abstract.py:130, :134
+        *both("kv_cache.layout_precondition", "layout_required"),  # vllm/v1/core/kv_cache_planning.py:685
+        *both("platform.cpu_block_size", "multiple_of_32"),  # vllm/v1/attention/backends/cpu_attn.py:63
+        *both(_UNIFORM, "moved"),  # vllm/v1/core/kv_cache_planning.py:360
+        *both(_FROM_GROUPS, "moved"),  # vllm/v1/core/kv_cache_planning.py:685
+        *both(_UNIFY, "moved"),  # vllm/v1/core/kv_cache_planning.py:897
+        # vllm/config/cache.py:395 enable_extensible_kv_cache = Field(default=None), resolved to True on CUDA/ROCm by
+        # vllm/config/vllm.py:3180 VllmConfig._resolve_extensible_kv_cache (inside `if requested is None:`)
+        *both("kv_cache.commitment", "on_by_default"),
+    },
 }
 
 # release -> findings that must be there and baseline (the variant included): facts close to a drift.
@@ -237,6 +262,13 @@ EXPECTED_BASELINE: dict[str, set[Drift]] = {
         ("import.v1.core.kv_cache_utils.init_none_hash", V040, "baseline"),  # vllm/v1/core/kv_cache_utils.py:146
         ("kv_cache.config_from_groups_kwargs", V040, "baseline"),  # vllm/v1/core/kv_cache_planning.py:642
         ("import.utils.hashing.get_hash_fn_by_name", V040, "baseline"),  # vllm/utils/hashing.py:84
+        ("kv_cache.commitment", V040, "baseline"),  # vllm/config/cache.py: no enable_extensible_kv_cache yet
+        ("engine.startup_steps", V040, "baseline"),  # vllm/v1/engine/core.py:250 every executor step reviewed
+    },
+    "0.34.0": {
+        # vllm/v1/engine/core.py:272: extend_kv_cache, disable_extensible_kv_cache, ... each reviewed
+        ("engine.startup_steps", V030, "baseline"),
+        ("engine.startup_steps", V040, "baseline"),
     },
 }
 
@@ -250,6 +282,8 @@ EXPECTED_EVIDENCE: dict[tuple[str, str, str], str] = {
     ("0.33.0", _FROM_GROUPS, V030): "vllm/v1/core/kv_cache_planning.py:642",
     ("0.33.0", "kv_cache.layout_precondition", V030): "vllm/v1/core/kv_cache_planning.py:642",
     ("0.33.0", "platform.cpu_block_size", V040): "vllm/v1/attention/backends/cpu_attn.py:",
+    ("0.34.0", "kv_cache.commitment", V040): "vllm/config/vllm.py:3180",
+    ("0.34.0", "engine.startup_steps", V030): "vllm/v1/engine/core.py:272",
 }
 
 RELEASES = by_version(EXPECTED_DRIFT)

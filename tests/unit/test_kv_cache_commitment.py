@@ -119,3 +119,41 @@ def test_the_adapter_keeps_speculators_cache_whole_and_reverts() -> None:
         adapter.revert()
     assert speculators_call(module).enable_extensible_kv_cache is True
     assert not adapter.applied
+
+
+ENGINE_CORE = """
+class EngineCore:
+    def __init__(self, vllm_config, executor_class):
+        self.model_executor = executor_class(vllm_config)
+        self.model_executor.register_failure_callback(print)
+        self._initialize_kv_caches(vllm_config)
+
+    def _initialize_kv_caches(self, vllm_config):
+        specs = self.model_executor.get_kv_cache_specs()
+        self.model_executor.initialize_from_config(specs)
+        self.model_executor.compile_or_warm_up_model()
+        {extra}
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "variant"),
+    [
+        ("pass", "baseline"),
+        ("self.model_executor.extend_kv_cache(10)", "baseline"),  # reviewed: extensible-kv-cache-off keeps it whole
+        ("self.collective_rpc('pin_pages')", "unreviewed=collective_rpc(pin_pages)"),
+        ("self.model_executor.warm_kv_cache(); self.model_executor.pin()", "unreviewed=pin,warm_kv_cache"),
+    ],
+)
+def test_engine_start_up_steps(tmp_path: Path, extra: str, variant: str) -> None:
+    root = tmp_path / "tree"
+    (root / "vllm/v1/engine").mkdir(parents=True)
+    for init in ("vllm", "vllm/v1", "vllm/v1/engine"):
+        (root / init / "__init__.py").write_text("")
+    (root / "vllm/v1/engine/core.py").write_text(dedent(ENGINE_CORE).replace("{extra}", extra))
+    plan = make_plan(StaticView(root), ["0.3.0", "0.4.0.1"])
+    found = [f for f in plan.findings if f.probe == "engine.startup_steps"]
+    assert found and all(f.variant == variant for f in found)
+    if variant != "baseline":
+        assert all(not f.handled and "vllm/v1/engine/core.py:" in f.evidence for f in found)
+        assert "engine.startup_steps" in {f.probe for f in plan.unhandled_drift}
