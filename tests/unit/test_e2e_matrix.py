@@ -165,7 +165,9 @@ def test_cells_and_suites(matrix) -> None:
     cells = plan()
     e2e = [c for c in cells if c.kind == "e2e"]
     assert len(e2e) == 68 and {c.vllm for c in e2e} == set(matrix.RELEASES) - matrix.NO_CPU_BUILD
-    assert [c.id for c in cells if c.kind == "import"] == ["0.3.0@0.33.0", "0.4.0.1@0.33.0"]
+    assert [c.id for c in cells if c.kind == "import"] == [
+        "0.3.0@0.33.0", "0.4.0.1@0.33.0", "0.3.0@0.34.0", "0.4.0.1@0.34.0"
+    ]  # fmt: skip
     assert all(c.suite == matrix.IMPORT_SUITE for c in cells if c.kind == "import")
     assert {c.id for c in e2e if c.suite == matrix.FULL_SUITE} == set(matrix.FULL_MATRIX_SUITES)
     assert all(c.suite == matrix.CORE_SUITE for c in e2e if c.id not in matrix.FULL_MATRIX_SUITES)
