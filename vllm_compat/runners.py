@@ -157,4 +157,7 @@ def choose(
         excluded = frozenset(a for r, a in ADAPTERS.items() if r != runner)
         return RunnerChoice(runner, pinned, why, tuple(dict.fromkeys(blockers)), excluded)
     why = f"no model runner whose facts hold ({reason}): {'; '.join(refused)}"
+    other = [r for r in ("v1", "v2") if exists[r] and r not in order]
+    if want in {"v1", "v2"} and other:
+        why += f"; what to do: unset {source.split('=')[0]} (or set it to {other[0]}), the runner this vLLM has"
     return RunnerChoice(None, None, why, tuple(dict.fromkeys(blockers)), frozenset(ADAPTERS.values()))

@@ -9,6 +9,7 @@ way. vLLM 0.33.0's only record is an import check: strict refuses it too. What i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -64,3 +65,16 @@ def test_the_kv_cache_fact_is_reported_covered_on_0_34() -> None:
     assert {f["speculators"] for f in facts} == {"0.3.0", "0.4.0.1"}
     assert all(f["state"] == "drifted" and f["handled"] and f["adapter"] == "extensible-kv-cache-off" for f in facts)
     assert "extensible-kv-cache-off" in report["adapters"]
+
+
+def test_asking_for_model_runner_v1_on_0_34_fails_closed_and_says_what_to_do() -> None:
+    """vLLM 0.34.0 deleted Model Runner V1: VLLM_COMPAT_MODEL_RUNNER=v1 is refused, naming the fact and the fix."""
+    script = shutil.which("vllm-compat")
+    cmd = [script] if script else [sys.executable, "-m", "vllm_compat.cli"]
+    env = {**os.environ, "VLLM_COMPAT_MODEL_RUNNER": "v1"}
+    done = subprocess.run([*cmd, "probe", "--source", "vllm==0.34.0", "--speculators", "0.4.0.1"], env=env,
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    flat = " ".join(done.stdout.split())
+    assert done.returncode == 1 and done.stdout.splitlines()[1].startswith("verdict: FAIL")
+    assert "this vLLM has no Model Runner V1" in flat
+    assert "what to do: unset VLLM_COMPAT_MODEL_RUNNER (or set it to v2)" in flat
