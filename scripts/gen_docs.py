@@ -204,8 +204,10 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
         text += "."
     no_cpu = sorted(matrix.NO_CPU_BUILD & set(releases))
     if no_cpu:
+        names = " and ".join([", ".join(no_cpu[:-1]), no_cpu[-1]] if len(no_cpu) > 1 else no_cpu)
         text += (
-            f" vLLM {', '.join(no_cpu)} has no CPU build: its import-level check passes for "
+            f" vLLM {names} {'has' if len(no_cpu) == 1 else 'have'} no CPU build: "
+            f"{'its' if len(no_cpu) == 1 else 'their'} import-level check passes for "
             f"{len(states['import pass'])} of {len(no_cpu) * len(LINES)} cells."
         )
     return text
