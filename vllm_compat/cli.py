@@ -38,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--source",
-        metavar="PATH|WHEEL|vllm==X",
-        help="probe a vLLM source folder, a wheel, or a release fetched from the package index "
-        "(default: the installed vLLM, read from its files without importing it)",
+        metavar="PATH|WHEEL|vllm==X|vllm",
+        help="probe a vLLM source folder, a wheel, a release fetched from the package index, or with plain `vllm` "
+        "the newest release there (default: the installed vLLM, read from its files without importing it)",
     )
     probe.add_argument(
         "--live",
@@ -184,6 +184,9 @@ def _probe(args: argparse.Namespace) -> int:
     # Importing vLLM prints to stdout (its logger's default stream, and some prints), and may again at exit: the
     # report goes to the real stdout, and everything else in this process to stderr, from here on.
     report_to = _stdout_for_report_only() if args.live else sys.stdout
+    from vllm_compat.sources import resolve_source
+
+    args.source, args.source_note = resolve_source(args.source)  # `vllm`: the newest release, named once
     plan = probe_plan(args.source, args.speculators, families, live=args.live)
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
@@ -210,7 +213,8 @@ def _status(args: argparse.Namespace) -> int:
 
 def _origin(args: argparse.Namespace, plan) -> str:
     if args.source:
-        return f"{plan.source}: {args.source}"
+        note = getattr(args, "source_note", None)
+        return f"{plan.source}: {args.source}" + (f", {note}" if note else "")
     if args.live:
         return "installed, imported"
     from vllm_compat.sources import installed_vllm_folder
