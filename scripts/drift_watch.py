@@ -59,9 +59,14 @@ def judge(report: dict) -> tuple[list[str], list[str]]:
         why = "needed by the capture path" if probe in needed else "counted as unhandled (--strict)"
         failures.append(f"UNKNOWN {probe} ({why})")
     notes = []
-    for key in ("proof", "end_to_end", "e2e"):  # an end-to-end record, where the report carries one
-        if key in report and report[key] not in (None, "", [], {}):
-            notes.append(f"end-to-end record ({key}): {json.dumps(report[key])}")
+    for proof in report.get("proof") or []:  # the end-to-end record, where the report carries one
+        if isinstance(proof, dict):
+            state = "proven end to end" if proof.get("proven") else f"NOT proven end to end ({proof.get('level')})"
+            notes.append(f"{state}: {proof.get('detail')}")
+        else:
+            notes.append(f"end-to-end record: {json.dumps(proof)}")
+    if report.get("refused_unproven"):
+        notes.append("probe --strict refused the release for want of an end-to-end record; the watch judges its code")
     if report.get("vllm_range") == "newer" and not notes:
         notes.append(
             f"vLLM {report.get('vllm_version')} has no end-to-end record (newer than the releases tested end to "

@@ -75,8 +75,14 @@ def test_a_missing_end_to_end_record_is_reported_not_failed(dw) -> None:
     failures, notes = dw.judge(report(ok=False, rng="newer"))
     assert failures == []
     assert any("no end-to-end record" in n for n in notes)
-    failures, notes = dw.judge(report(ok=False, proof={"state": "code-only"}))
-    assert failures == [] and any('end-to-end record (proof): {"state": "code-only"}' in n for n in notes)
+    proof = {"speculators": "0.4.0.1", "vllm": "0.34.0", "level": "code_only", "proven": False,
+             "detail": "no end-to-end run on record: judged by its code only"}  # fmt: skip
+    failures, notes = dw.judge(report(ok=False, proof=[proof], refused_unproven=True))
+    assert failures == []
+    assert "NOT proven end to end (code_only): no end-to-end run on record: judged by its code only" in notes
+    assert any("refused" in n for n in notes)
+    _, notes = dw.judge(report(proof=[{**proof, "level": "end_to_end", "proven": True, "detail": "passed"}]))
+    assert "proven end to end: passed" in notes and not any("no end-to-end record" in n for n in notes)
     _, notes = dw.judge(report(rng="inside"))
     assert not any("end-to-end" in n for n in notes)
 
