@@ -20,6 +20,11 @@ class Status(dict):
     def __str__(self) -> str:
         return describe(self)
 
+    def __reduce__(self):
+        """Pickled as a plain dict (torch.save, multiprocessing): loading it needs no vllm-compat, and
+        ``torch.load(weights_only=True)`` accepts it as it did."""
+        return (dict, (dict(self),))
+
 
 def _cut(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "\u2026"

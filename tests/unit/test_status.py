@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -67,6 +68,8 @@ def test_status_stays_a_mapping_with_its_keys(generator_process) -> None:
     ):  # fmt: skip
         assert key in status, key
     assert status["worker_route"] == "plugin" and status["in_worker"] is False
+    copy = pickle.loads(pickle.dumps(status))
+    assert type(copy) is dict and copy == dict(status), "pickles (torch.save) as the plain dict it was"
 
 
 def test_status_in_a_worker_says_it_is_one(generator_process, monkeypatch: pytest.MonkeyPatch) -> None:
