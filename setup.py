@@ -1,7 +1,8 @@
 """What pyproject.toml cannot say: ship ``vllm_compat_auto.pth`` at the top of the wheel.
 
 A ``.pth`` file must sit in site-packages itself for Python to run it at start-up (the coverage / pytest-cov
-pattern). It does nothing unless ``VLLM_COMPAT_AUTO=1`` (docs/how-it-works.md). Editable installs do not get it.
+pattern). With ``VLLM_COMPAT_AUTO=1`` it imports vllm_compat; otherwise it only sets the forgotten-runner hint's
+``sys.excepthook`` (vllm_compat/_bootstrap/hint.py, docs/how-it-works.md). Editable installs do not get it.
 """
 
 import os

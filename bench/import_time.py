@@ -5,7 +5,10 @@ Each sample is a fresh interpreter (imports are cached per process): it times ``
 ``time.perf_counter`` around the statement, beside a baseline interpreter that imports ``wrapt`` and ``packaging``
 only (the two runtime dependencies), so the ratio shows what vllm-compat adds on top of them. Then it times whole
 ``python -c pass`` runs with ``VLLM_COMPAT_AUTO=1`` (and with ``VLLM_COMPAT_STRICT=1`` too) against runs without,
-where the wheel's ``vllm_compat_auto.pth`` is installed (not in an editable install).
+where the wheel's ``vllm_compat_auto.pth`` is installed (not in an editable install). Last, what that ``.pth``
+costs every interpreter when VLLM_COMPAT_AUTO is not set (it then only sets the forgotten-runner hint's
+``sys.excepthook``): whole starts that process a site folder holding this checkout's ``.pth`` against starts that
+process an empty one, side by side, and the ``.pth`` line alone timed inside the interpreter.
 
     python bench/import_time.py [--samples 30]
 """
@@ -77,6 +80,46 @@ def auto_cost(samples: int) -> bool:
     return heavy
 
 
+PTH = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "vllm_compat", "_bootstrap", "vllm_compat_auto.pth"
+)
+SITE = (
+    "import site, sys, time; t = time.perf_counter(); site.addsitedir(sys.argv[1]); "
+    "print((time.perf_counter() - t) * 1e6)"
+)
+
+
+def pth_cost(samples: int) -> None:
+    """Print interpreter start-up with and without the .pth hook (VLLM_COMPAT_AUTO unset), side by side."""
+    import shutil
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_COMPAT_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {"without the hook": os.path.join(tmp, "empty"), "with the hook": os.path.join(tmp, "pth")}
+        for folder in dirs.values():
+            os.mkdir(folder)
+        shutil.copy(PTH, dirs["with the hook"])
+        wall: dict[str, list[float]] = {k: [] for k in dirs}
+        inside: dict[str, list[float]] = {k: [] for k in dirs}
+        for _ in range(samples):  # interleaved
+            for mode, folder in dirs.items():
+                began = time.perf_counter()
+                out = subprocess.run(
+                    [sys.executable, "-c", SITE, folder], env=env, capture_output=True, text=True, check=True
+                )
+                wall[mode].append((time.perf_counter() - began) * 1000)
+                inside[mode].append(float(out.stdout))
+    print(f"start-up, VLLM_COMPAT_AUTO unset ({samples} starts each, medians):")
+    for mode in dirs:
+        print(
+            f"  {mode:<17} python -c (site folder processed): {statistics.median(wall[mode]):.1f} ms; "
+            f"processing the folder: {statistics.median(inside[mode]):.0f} us"
+        )
+    added = statistics.median(inside["with the hook"]) - statistics.median(inside["without the hook"])
+    print(f"  the .pth adds {added:.0f} us to each interpreter start (measured inside it)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=30)
@@ -97,6 +140,7 @@ def main() -> int:
     print(f"ratio vllm_compat / dependencies: {med / dep:.2f}x")
     print(f"imports vLLM or torch: {'YES' if heavy else 'no'}")
     heavy |= auto_cost(args.samples)
+    pth_cost(args.samples)
     return 0 if not heavy else 1
 
 

@@ -49,7 +49,10 @@ def uninstall() -> None:
 
 
 def status() -> dict[str, object]:
-    """What is installed and applied in this process, and why each adapter was applied."""
+    """What is installed and applied in this process, and why each adapter was applied.
+
+    A dict (keys in docs/index.md#4-see-what-it-did); ``print()`` it for a few readable lines.
+    """
     return _engine_module.engine.status()
 
 

@@ -1,5 +1,5 @@
 """The ``vllm-compat`` command: ``probe`` reports drift (exit codes make it a CI guard); ``run`` runs a command with
-vllm-compat active in every Python process it starts."""
+vllm-compat active in every Python process it starts; ``status`` says what vllm-compat is and would do here."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     probe.add_argument(
         "--source",
-        metavar="PATH|WHEEL|vllm==X",
-        help="probe a vLLM source folder, a wheel, or a release fetched from the package index "
-        "(default: the installed vLLM, read from its files without importing it)",
+        metavar="PATH|WHEEL|vllm==X|vllm",
+        help="probe a vLLM source folder, a wheel, a release fetched from the package index, or with plain `vllm` "
+        "the newest release there (default: the installed vLLM, read from its files without importing it)",
     )
     probe.add_argument(
         "--live",
@@ -97,6 +97,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--strict", action="store_true", help="stop at start-up (exit 1) on drift no adapter covers")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="the command to run, after --")
+    status = sub.add_parser(
+        "status",
+        help="say what vllm-compat is and would do here: versions, speculators line, worker route, flags",
+        description=(
+            "Prints vllm_compat.status() of this process, in words: the installed vLLM and speculators, the line "
+            "judged, the route a generator built now would take to vLLM's workers, and what each flag means. No "
+            "adapter is applied in this command's own process (it imports neither vLLM nor speculators); call "
+            "vllm_compat.status() inside your script for what was applied there."
+        ),
+    )
+    status.add_argument("--json", action="store_true", help="print the mapping as one JSON object")
     return parser
 
 
@@ -184,6 +195,9 @@ def _probe(args: argparse.Namespace) -> int:
     # Importing vLLM prints to stdout (its logger's default stream, and some prints), and may again at exit: the
     # report goes to the real stdout, and everything else in this process to stderr, from here on.
     report_to = _stdout_for_report_only() if args.live else sys.stdout
+    from vllm_compat.sources import resolve_source
+
+    args.source, args.source_note = resolve_source(args.source)  # `vllm`: the newest release, named once
     plan = probe_plan(args.source, args.speculators, families, live=args.live)
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
@@ -201,9 +215,20 @@ def _probe(args: argparse.Namespace) -> int:
     return EXIT_OK if plan.passes(args.strict) and not line_unknown and not refused else EXIT_DRIFT
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    import vllm_compat
+
+    status = vllm_compat.status()
+    print(json.dumps(status, indent=2) if args.json else str(status), flush=True)
+    return EXIT_OK
+
+
 def _origin(args: argparse.Namespace, plan) -> str:
     if args.source:
-        return f"{plan.source}: {args.source}"
+        note = getattr(args, "source_note", None)
+        return f"{plan.source}: {args.source}" + (f", {note}" if note else "")
     if args.live:
         return "installed, imported"
     from vllm_compat.sources import installed_vllm_folder
@@ -280,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _probe(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "status":
+            return _status(args)
     except SourceError as exc:
         print(f"vllm-compat: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,6 +25,7 @@ from vllm_compat.lines import judge_line
 from vllm_compat.models import ENV_FAMILIES, active_families, model_families
 from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
+from vllm_compat.status_text import Status
 from vllm_compat.versions import installed_version
 
 __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
@@ -106,32 +107,36 @@ class _Engine:
             self.observations.clear()
             self._view = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
         with self.lock:
             spec = installed_version("speculators")
             vllm = installed_version("vllm")
             verdict = judge_line()
-            return {
-                "installed": self.installed,
-                "strict": self.strict,
-                "vllm_version": str(vllm) if vllm else None,
-                "speculators_version": str(spec) if spec else None,
-                "speculators_line": verdict.line,
-                "speculators_line_judged": verdict.how,  # code | metadata | absent | unknown (lines.LineVerdict)
-                "applied": {k: a.reason for k, a in self.applied.items()},
-                # reverted by uninstall(), but left in place as pass-throughs under wrappers applied after ours
-                "pass_through": {k: list(v) for k, v in self.pass_through.items()},
-                "hooks": sorted(self.hooked),
-                "guarded": self.guard is not None,
-                "plugin_loaded": plugin.loaded,
-                # how vllm-compat reaches vLLM's workers: in a worker, the route that activated it there; in the
-                # generator's process, the route its workers take (None before a generator is built)
-                "worker_route": plugin.route or (self.worker_route[0] if self.worker_route else None),
-                "worker_route_why": _route_why(plugin.route)
-                if plugin.route
-                else (self.worker_route[1] if self.worker_route else None),
-                "pid": os.getpid(),
-            }
+            return Status(
+                {
+                    "installed": self.installed,
+                    "strict": self.strict,
+                    "vllm_version": str(vllm) if vllm else None,
+                    "speculators_version": str(spec) if spec else None,
+                    "speculators_line": verdict.line,
+                    "speculators_line_judged": verdict.how,  # code | metadata | absent | unknown (lines.LineVerdict)
+                    "applied": {k: a.reason for k, a in self.applied.items()},
+                    # reverted by uninstall(), but left in place as pass-throughs under wrappers applied after ours
+                    "pass_through": {k: list(v) for k, v in self.pass_through.items()},
+                    "hooks": sorted(self.hooked),
+                    "guarded": self.guard is not None,
+                    "plugin_loaded": plugin.loaded,
+                    # how vllm-compat reaches vLLM's workers: in a worker, the route that activated it there; in the
+                    # generator's process, the route its workers take (None before a generator is built)
+                    "worker_route": plugin.route or (self.worker_route[0] if self.worker_route else None),
+                    "worker_route_why": _route_why(plugin.route)
+                    if plugin.route
+                    else (self.worker_route[1] if self.worker_route else None),
+                    # whether this process is one of vLLM's workers that vllm-compat was brought into
+                    "in_worker": plugin.route is not None,
+                    "pid": os.getpid(),
+                }
+            )
 
     def live_plan(self, probe_ids: Iterable[str] | None = None) -> Plan:
         """The plan for the installed vLLM and the speculators code that runs (both lines if its line is not known)."""

@@ -11,10 +11,13 @@ from pathlib import Path
 
 from vllm_compat.errors import SourceError
 
-__all__ = ["cache_dir", "fetch_release", "open_view"]
+__all__ = ["NEWEST", "cache_dir", "fetch_release", "newest_release", "open_view", "resolve_source"]
 
 logger = logging.getLogger("vllm_compat")
 _RELEASE = re.compile(r"^vllm(?:-cpu)?==(?P<version>[0-9][0-9A-Za-z.+-]*)$")
+NEWEST = "vllm"  # `--source vllm`: the newest vLLM release on the package index
+_INDEX_LINE = re.compile(r"^vllm \((?P<version>[0-9][0-9A-Za-z.+!-]*)\)", re.MULTILINE)  # `pip index versions`
+_WHEEL_NAME = re.compile(r"vllm-(?P<version>[0-9][0-9A-Za-z.+!]*)-[^\s/\\]*\.whl")
 
 
 def cache_dir() -> Path:
@@ -32,28 +35,8 @@ def fetch_release(version: str, dest: Path | None = None) -> Path:
     cached = _find_wheel(dest, version)
     if cached:
         return cached
-    # pip matches --platform tags exactly, so name every glibc a vLLM wheel may be tagged for
-    # (vllm 0.21.0 is manylinux_2_24 only, 0.20.0 manylinux_2_35).
-    platforms: list[str] = []
-    for tag in ("manylinux1", "manylinux2010", "manylinux2014", *(f"manylinux_2_{n}" for n in range(5, 40))):
-        platforms += ["--platform", f"{tag}_x86_64"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--python-version",
-        "3.12",
-        "--implementation",
-        "cp",
-        *platforms,
-        "--dest",
-        str(dest),
-        f"vllm=={version}",
-    ]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *_target(), "--dest", str(dest)]
+    cmd.append(f"vllm=={version}")
     logger.info("fetching vllm==%s into %s", version, dest)
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheel = _find_wheel(dest, version)
@@ -64,6 +47,68 @@ def fetch_release(version: str, dest: Path | None = None) -> Path:
             "Pass a wheel or a source folder with --source instead."
         )
     return wheel
+
+
+def _target() -> list[str]:
+    """pip's options for the wheels the probes read: CPython 3.12 on x86_64 Linux, binaries only. pip matches
+    --platform tags exactly, so every glibc a vLLM wheel may be tagged for is named (vllm 0.21.0 is manylinux_2_24
+    only, 0.20.0 manylinux_2_35)."""
+    platforms: list[str] = []
+    for tag in ("manylinux1", "manylinux2010", "manylinux2014", *(f"manylinux_2_{n}" for n in range(5, 40))):
+        platforms += ["--platform", f"{tag}_x86_64"]
+    return ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", *platforms]
+
+
+def newest_release(run=None, dest: Path | None = None) -> str:
+    """The version of the newest vLLM release on the package index (pip's index and settings; no pre-releases).
+
+    Asks ``pip index versions vllm``; where this pip has no ``index`` command, ``pip download --no-deps vllm`` into
+    the wheel cache (``dest``), and the version is read from the wheel's name (the probe reads that wheel next).
+    ``run`` stands in for ``subprocess.run`` (tests). Raises SourceError when the index cannot be reached.
+    """
+    run = run or subprocess.run
+    done = run(
+        [sys.executable, "-m", "pip", "index", "versions", "vllm", *_target()],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = _INDEX_LINE.search(done.stdout or "")
+    if done.returncode == 0 and found:
+        return found["version"]
+    said = _pip_said(done)
+    if "unknown command" in said or "no such command" in said.lower():
+        dest = dest or cache_dir()
+        dest.mkdir(parents=True, exist_ok=True)
+        done = run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", *_target(), "--dest", str(dest), "vllm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        found = _WHEEL_NAME.search(done.stdout or "")
+        if done.returncode == 0 and found:
+            return found["version"]
+        said = _pip_said(done)
+    raise SourceError(
+        f"could not find the newest vLLM release on the package index (pip: {said}). Check the network and pip's "
+        "index settings (PIP_INDEX_URL), or name a release: --source vllm==0.33.0."
+    )
+
+
+def _pip_said(done) -> str:
+    """pip's last line of output (its error), or a word that it said nothing."""
+    tail = ((done.stderr or "").strip() or (done.stdout or "").strip()).splitlines()[-1:]
+    return tail[0].strip() if tail else f"exit {done.returncode}, no output"
+
+
+def resolve_source(source: str | None, newest=None) -> tuple[str | None, str | None]:
+    """``source`` as ``open_view`` reads it, and a note for the report's origin: ``vllm`` (the newest release on the
+    package index) becomes ``vllm==X`` and the note says so; anything else is returned as it is, with no note."""
+    if source is not None and source.strip() == NEWEST:
+        version = (newest or newest_release)()
+        return f"vllm=={version}", "chosen as the newest vLLM release on the package index"
+    return source, None
 
 
 def _find_wheel(folder: Path, version: str) -> Path | None:
@@ -98,7 +143,8 @@ def _refuse_older_release(version: str) -> None:
 
 
 def open_view(source: str | None, live: bool = False):
-    """An ApiView for ``source``: None (the installed vLLM), a folder, a wheel, or ``vllm==X``.
+    """An ApiView for ``source``: None (the installed vLLM), a folder, a wheel, ``vllm==X``, or ``vllm`` (the newest
+    release on the package index).
 
     The installed vLLM is read from its files with ``ast`` (seconds; nothing imported, nothing printed), or with
     ``live`` imported and inspected (importing vLLM and torch takes tens of seconds, and vLLM logs as it imports).
@@ -125,12 +171,15 @@ def open_view(source: str | None, live: bool = False):
             return StaticView(folder)
         except StaticSourceError as exc:
             raise SourceError(f"{exc}; `vllm-compat probe --live` imports the installed vLLM instead") from exc
+    source, _note = resolve_source(source)
     match = _RELEASE.match(source.strip())
     if match:
         _refuse_older_release(match["version"])
     path = fetch_release(match["version"]) if match else Path(source)
     if not path.exists():
-        raise SourceError(f"{source}: no such file or folder, and not of the form vllm==X")
+        raise SourceError(
+            f"{source}: no such file or folder, and not of the form vllm==X (or vllm: the newest release)"
+        )
     try:
         return StaticView(path)
     except StaticSourceError as exc:

@@ -56,6 +56,7 @@ def test_wheel_contents(wheel: Path) -> None:
     assert {t for t in tops if not t.endswith(".pth")} <= {"vllm_compat", "pytest_vllm_compat.py"}
     assert not tops & {"adapters", "probes"}
     assert "vllm_compat/adapters/kv_cache.py" in names and "vllm_compat/probes/config.py" in names
+    assert "vllm_compat/_bootstrap/hint.py" in names, "the .pth's excepthook reads it by path from the package"
     meta = next(n for n in names if n.endswith("METADATA"))
     requires = [ln for ln in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if ln.startswith("Requires-Dist")]
     assert sorted(r.split(":")[1].split(";")[0].strip().split(">")[0] for r in requires if "extra" not in r) == [
