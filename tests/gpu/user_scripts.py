@@ -166,7 +166,7 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=1.5)
     parser.add_argument("--train-seconds", type=int, default=150)
     args = parser.parse_args()
-    work = args.work.resolve()
+    work, args.scripts = args.work.resolve(), args.scripts.resolve()
     work.mkdir(parents=True, exist_ok=True)
     report: dict = {"scripts": str(args.scripts), "batch_size": args.batch_size}
 

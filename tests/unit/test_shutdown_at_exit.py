@@ -9,6 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+from vllm_compat import plugin
+
 STAND_IN = """
 import logging
 
@@ -133,3 +137,86 @@ def test_a_worker_skips_the_full_collection_at_exit() -> None:
     that takes more than 5 s to exit; the collection took 5 to 6 s on 2 loaded cores); any other process does not."""
     assert run_worker(active=True) > 0
     assert run_worker(active=False) == 0
+
+
+# A vLLM worker as multiprocessing spawns it: vllm-compat activated by the plugin, then run() ends as asked. The
+# stand-in for a C-level exit hook that reports leaks (Triton's nanobind) is an object in a reference cycle whose
+# finaliser prints once the interpreter tears the modules down; a handler registered before the activation checks
+# that every atexit handler still runs.
+SPAWNED_WORKER = """
+import atexit, multiprocessing, os, sys
+
+
+class Leak:
+    def __del__(self, write=os.write):  # bound now: the teardown sets module globals to None
+        write(2, b"leaked at teardown\\n")
+
+
+def target(how):
+    from vllm_compat import plugin
+
+    def late():  # runs after vllm-compat's freeze (registered before it): only a teardown would finalise it
+        leak = Leak()
+        leak.cycle = leak
+        sys.modules["__mp_main__"].leak = leak
+
+    atexit.register(lambda: os.write(1, b"handler registered before ran\\n"))
+    atexit.register(late)
+    plugin.activated_in_worker(plugin.PLUGIN_ROUTE)
+    atexit.register(lambda: os.write(1, b"handler registered after ran\\n"))
+    if how == "exit 3":
+        raise SystemExit(3)
+    if how == "raise":
+        raise ValueError("boom")
+
+
+if __name__ == "__main__":
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(sys.argv[1],))
+    process.start()
+    process.join()
+    print("exit code", process.exitcode)
+"""
+
+
+def run_spawned_worker(tmp_path: Path, how: str, gc_enabled: bool = True) -> subprocess.CompletedProcess[str]:
+    import os
+
+    script = tmp_path / "spawned_worker.py"
+    source = (
+        SPAWNED_WORKER
+        if gc_enabled
+        else SPAWNED_WORKER.replace("def target(how):", "def target(how):\n    import gc\n    gc.disable()")
+    )
+    script.write_text(source)
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_COMPAT_ACTIVE"}
+    env["VLLM_COMPAT_DISABLE"] = "1"
+    return subprocess.run(
+        [sys.executable, str(script), how], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(("how", "code"), [("return", 0), ("exit 3", 3), ("raise", 1)])
+@pytest.mark.parametrize("gc_enabled", [True, False], ids=["gc-enabled", "gc-disabled"])
+def test_a_spawned_worker_ends_after_its_exit_handlers_with_its_exit_code(
+    tmp_path: Path, how: str, code: int, gc_enabled: bool
+) -> None:
+    """Where gc is enabled the worker ends at the collection that starts the teardown (nothing is finalised there);
+    where it is not, after the teardown (the audit event), before the C-level exit hooks: the exit code is the one
+    multiprocessing gives the ending of run(), and every atexit handler ran."""
+    done = run_spawned_worker(tmp_path, how, gc_enabled)
+    assert f"exit code {code}" in done.stdout, done.stdout + done.stderr
+    assert "handler registered before ran" in done.stdout and "handler registered after ran" in done.stdout
+    assert ("ValueError: boom" in done.stderr) == (how == "raise")
+    if gc_enabled:
+        assert "leaked at teardown" not in done.stderr
+    else:  # after the teardown: its finalisers ran as they always did
+        assert "leaked at teardown" in done.stderr
+
+
+def test_the_exit_code_multiprocessing_gives() -> None:
+    assert plugin._code_of(None) == 0
+    assert plugin._code_of(SystemExit()) == 0
+    assert plugin._code_of(SystemExit(0)) == 0
+    assert plugin._code_of(SystemExit(4)) == 4
+    assert plugin._code_of(SystemExit("bye")) == 1
+    assert plugin._code_of(ValueError()) == 1
