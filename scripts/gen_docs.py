@@ -230,7 +230,9 @@ E2E_NOTES: dict[str, str] = {
 }
 
 
-def compatibility_page(plans: dict[str, Plan], missing: list[str], e2e: dict, report_name: str | None) -> str:
+def compatibility_page(
+    plans: dict[str, Plan], missing: list[str], e2e: dict, report_name: str | None, gpu: dict | None = None
+) -> str:
     releases = list(plans)
     out = [
         HEADER.format(command=COMMAND, version=__version__),
@@ -314,9 +316,33 @@ def compatibility_page(plans: dict[str, Plan], missing: list[str], e2e: dict, re
         "installed transformers, a speculators defect) are listed in [adapters.md](adapters.md) under *always*.",
         "",
     ]
+    if gpu:
+        out += gpu_section(gpu)
     if e2e:
         out += e2e_section(e2e, releases)
     return "\n".join(out)
+
+
+def gpu_section(gpu: dict[tuple[str, str], dict]) -> list[str]:
+    """The runs on a GPU (kind ``gpu``, recorded by hand from the runs' output): each result with its message."""
+    out = [
+        "## On a GPU",
+        "",
+        "vLLM's CPU build hides GPU-only behaviour (vLLM 0.34.0's extensible KV cache is off on the CPU platform), and "
+        "the releases from 0.33.0 have no CPU build. These cells ran on a GPU, each as its record says "
+        "(`environment`); a cell passes only if every result did. `vllm-compat probe --strict` counts a passing GPU "
+        "cell as proof.",
+        "",
+        "| cell | result |",
+        "|---|---|",
+    ]
+    for (line, release), record in sorted(gpu.items(), key=lambda kv: (Version(kv[0][1]), kv[0][0])):
+        out.append(f"| {line}@{release} | {e2e_text(record)} |")
+    out.append("")
+    for (line, release), record in sorted(gpu.items(), key=lambda kv: (Version(kv[0][1]), kv[0][0])):
+        out.append(f"- **{line}@{release}** ({when(record)}): {record.get('environment', '')}")
+        out += [f"  - {r['outcome']}: `{r['id']}`: {plain(r.get('message', ''))}" for r in record.get("results", [])]
+    return [*out, ""]
 
 
 def e2e_section(e2e: dict[tuple[str, str], dict], releases: list[str]) -> list[str]:
@@ -522,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     e2e = e2e_cells(args.e2e_report)
     pages = {
         args.out / "compatibility.md": compatibility_page(
-            plans, missing, e2e, args.e2e_report.name if args.e2e_report else None
+            plans, missing, e2e, args.e2e_report.name if args.e2e_report else None, gpu_cells(args.e2e_report)
         ),
         args.out / "adapters.md": adapters_page(load_adapters()),
     }

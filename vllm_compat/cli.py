@@ -34,8 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         help="report vLLM API drift that speculators would hit, without loading a model",
         description=(
             "Exit codes: 0 every drift is covered by an adapter; 1 some drift is unhandled "
-            "(with --strict: or some fact could not be established, or the release was not proven end to end "
-            "and --allow-code-only was not given); 2 usage or environment error."
+            "(with --strict: or some fact could not be established, or the release was not proven end to end); "
+            "1 too where an end-to-end run of the release failed (--allow-code-only accepts both); 2 usage or "
+            "environment error."
         ),
     )
     probe.add_argument(
@@ -78,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument(
         "--allow-code-only",
         action="store_true",
-        help="with --strict, accept a release judged by its code only (no end-to-end run of it on record)",
+        help="accept a release judged by its code only: with --strict, one never run end to end; and one whose "
+        "end-to-end run on record failed (refused otherwise, with or without --strict)",
     )
     probe.add_argument(
         "--all", action="store_true", dest="show_all", help="list the baseline facts too (by default: left out)"
@@ -202,7 +204,9 @@ def _probe(args: argparse.Namespace) -> int:
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
     proofs = [proof_for(plan.vllm_version, line) for line in plan.lines]
-    refused = args.strict and not args.allow_code_only and not all(p.proven for p in proofs)
+    # a failed run is known breakage, refused always; what nobody ran is refused in strict mode
+    unproven = any(p.level == "failed" for p in proofs) or (args.strict and not all(p.proven for p in proofs))
+    refused = unproven and not args.allow_code_only
     if args.json:
         text = render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown, proofs=proofs,
                            refused=refused)  # fmt: skip

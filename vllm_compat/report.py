@@ -26,8 +26,8 @@ def render_json(
     refused: bool = False,
 ) -> str:
     """The JSON report; ``judged`` says how the speculators line was chosen; with ``line_unknown`` (the speculators
-    code matches neither line, so the generator's guard would stop) or ``refused`` (strict mode and a release not
-    proven end to end) it is not ok."""
+    code matches neither line, so the generator's guard would stop) or ``refused`` (a release whose end-to-end run
+    failed, or in strict mode one not proven end to end) it is not ok."""
     data = plan.to_json(speculators_installed, strict)
     if judged is not None:
         data["speculators_judged"] = judged
@@ -53,7 +53,7 @@ def render_table(
     adds the baseline rows, ``verbose`` their details too."""
     passes = plan.passes(strict) and not line_unknown and not refused
     out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({origin})"]
-    out += _verdict(plan, strict, passes, line_unknown, refused)
+    out += _verdict(plan, strict, passes, line_unknown, refused, proofs)
     out += [
         textwrap.fill(f"proof, speculators {p.line}: {p.detail}", width=118, subsequent_indent="    ") for p in proofs
     ]
@@ -86,7 +86,9 @@ def render_table(
     return "\n".join(out)
 
 
-def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused: bool = False) -> list[str]:
+def _verdict(
+    plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused: bool = False, proofs: Sequence[Proof] = ()
+) -> list[str]:
     """The verdict and, where it fails, what is not covered and what to do."""
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
@@ -96,7 +98,7 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused
     )
     strictly = " (strict: unknown counts as unhandled)" if strict else ""
     if refused:
-        strictly += "; not proven end to end"
+        strictly += "; failed end to end" if any(p.level == "failed" for p in proofs) else "; not proven end to end"
     lines = [f"verdict: {'OK' if passes else 'FAIL'}: {counts}{strictly}"]
     where = served_range(plan.vllm_version)
     notes = []
@@ -110,7 +112,12 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused
             f"vLLM {plan.vllm_version} is newer than the releases the probes were checked against ({SERVED}): "
             "judged on its code by the same probes"
         )
-    if refused:
+    if refused and any(p.level == "failed" for p in proofs):
+        notes.append(
+            "refused: an end-to-end run of this release failed (see 'proof' below; docs/compatibility.md has what "
+            "failed): pin a release that passed, or, to accept the judgement of its code alone, --allow-code-only"
+        )
+    elif refused:
         notes.append(
             "refused: --strict accepts only what was proven end to end, and this release was not (see 'proof' below). "
             "Prove it: run speculators' own data_generation_offline.py through `vllm-compat run` on a small model and "

@@ -34,8 +34,9 @@ RECORD = {
         ("0.12.0+cpu", "end_to_end", "passed end to end"),
         ("0.34.0", "end_to_end", "passed end to end on a GPU (2026-12-04)"),
         ("0.15.1", "inside_range", "releases before and after it passed end to end (0.12.0 to 0.34.0)"),
-        ("0.13.0", "failed", "its end-to-end run failed"),
+        ("0.13.0", "failed", "its end-to-end run on vLLM's CPU build failed"),
         ("0.33.0", "import_only", "only its imports were checked"),
+        ("0.34.1", "code_only", "no end-to-end run on record"),
         ("0.35.0", "code_only", "judged by its code only (the newest release that passed end to end: 0.34.0)"),
         ("0.11.0", "code_only", "no end-to-end run on record"),
         (None, "code_only", "could not be told"),
@@ -66,3 +67,23 @@ def test_the_shipped_record_is_made_from_the_matrix() -> None:
         assert entry["passed"] or not cell["passed"]  # a pass on record is never lost
         if cell["passed"]:
             assert cell["kind"] in entry["kinds"]
+
+
+def test_a_failed_run_is_refused_without_strict_and_accepted_with_allow_code_only(monkeypatch, capsys) -> None:
+    """The CLI's refusal: code-only only under --strict; a failed run always; --allow-code-only accepts both."""
+    from vllm_compat import cli, proof
+    from vllm_compat.plan import Plan
+
+    # a plan with every fact as speculators expects: only the proof decides
+    monkeypatch.setattr(cli, "probe_plan", lambda *a, **k: Plan("0.34.0", "static", ("0.4.0.1",)))
+    cases = {
+        "code_only": {"": 0, "--strict": 1, "--strict --allow-code-only": 0},
+        "failed": {"": 1, "--strict": 1, "--allow-code-only": 0, "--strict --allow-code-only": 0},
+        "end_to_end": {"": 0, "--strict": 0},
+    }
+    for level, runs in cases.items():
+        monkeypatch.setattr(cli, "proof_for", lambda v, line, level=level: proof.Proof(line, v, level, level))
+        for flags, want in runs.items():
+            rc = cli.main(["probe", "--source", "x", "--speculators", "0.4.0.1", "--json", *flags.split()])
+            report = json.loads(capsys.readouterr().out)
+            assert (rc, report["ok"], report["refused_unproven"]) == (want, want == 0, want == 1), (level, flags)
