@@ -65,12 +65,19 @@ class StepsInFlight(Adapter):
             wrap_instance_method(executor, "collective_rpc", steps.other_rpc)
 
         def generate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            interrupted = False
             try:
                 return wrapped(*args, **kwargs)
+            except BaseException as exc:
+                interrupted = not isinstance(exc, Exception)  # Ctrl-C: vllm_compat.recovery reads the replies owed
+                raise
             finally:
                 steps = getattr(getattr(instance, "executor", None), "_vllm_compat_steps", None)
                 if steps is not None:
-                    steps.settle()  # a call that failed between steps leaves none in flight for the next one
+                    if interrupted:
+                        steps.forget()
+                    else:
+                        steps.settle()  # a call that failed between steps leaves none in flight for the next one
 
         self.wrap(module, "MultiprocExecutor", after_construct(hook))
         self.wrap(module, "VllmHiddenStatesGenerator.generate", generate)
@@ -144,6 +151,11 @@ class _Steps:
         """Wait for every step in flight, oldest first; a failed step raises its error."""
         while self.in_flight:
             self._wait(self.in_flight.pop())
+
+    def forget(self) -> None:
+        """Forget the steps in flight without waiting (an interrupted call: their replies are drained by
+        vllm_compat.recovery, which reads each worker's replies up to one of its own)."""
+        self.in_flight.clear()
 
     def settle(self) -> None:
         """Wait for every step in flight and forget their errors (the call ends, or failed already)."""

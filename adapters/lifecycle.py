@@ -9,8 +9,9 @@ import weakref
 from types import ModuleType
 from typing import Any
 
-from vllm_compat.adapters._kit import GENERATOR_MODULE
+from vllm_compat.adapters._kit import GENERATOR_MODULE, after_construct, wrap_instance_method
 
+from vllm_compat import transport
 from vllm_compat.adapter import Adapter
 
 logger = logging.getLogger("vllm_compat")
@@ -70,3 +71,62 @@ def shut_down_live_generators() -> None:
         except Exception:
             logger.warning("vllm-compat: could not shut a generator's executor down at exit", exc_info=True)
         generator.__dict__[SHUT_AT_EXIT] = True
+
+
+class ReleaseAtShutdown(Adapter):
+    """Close what a generator's workers held open in the generator's process once its executor is shut down.
+
+    What broke (vllm-compat's own hand-over, found on vLLM CPU 0.32.0): each worker that hands states over connects
+    to the generator's process once, and the receiving socket kept every such connection for good: 20 generators made
+    and shut down in turn left 20 connections (one descriptor each) behind.
+    Where fixed: ``shutdown`` of speculators' executor object (its own, its monitor's on a worker's death, speculators'
+    ``__del__``, the exit hook): once it returns, the connections of that executor's worker processes are closed.
+    The receiving socket also closes the connection of any worker that hung up whenever a new worker connects. And
+    vLLM's executor is never freed (its own ``weakref.finalize(self, self.shutdown)`` holds it until the interpreter
+    exits), so the ``multiprocessing`` handle of each of its worker processes kept its two pipe descriptors open:
+    once a worker has exited, its handle is closed (``Process.close()``).
+    """
+
+    id = "release-at-shutdown"
+    always = "vllm-compat's receiving socket kept each shut-down generator's worker connections"
+    target = GENERATOR_MODULE
+
+    def apply(self, module: ModuleType) -> None:
+        def shutdown(wrapped: Any, executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            pids = worker_pids(executor)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                transport.forget_workers(pids)
+                close_exited_workers(executor)
+
+        self.wrap(
+            module,
+            "MultiprocExecutor",
+            after_construct(lambda ex: wrap_instance_method(ex, "shutdown", shutdown)),
+        )
+
+
+def worker_pids(executor: Any) -> set[int]:
+    """The process ids of the executor's workers (none where it has no such list)."""
+    pids = set()
+    for worker in getattr(executor, "workers", None) or []:
+        try:
+            pid = getattr(getattr(worker, "proc", None), "pid", None)
+        except ValueError:  # a handle closed by an earlier shutdown
+            continue
+        if isinstance(pid, int):
+            pids.add(pid)
+    return pids
+
+
+def close_exited_workers(executor: Any) -> None:
+    """Release the ``multiprocessing`` handles of the executor's worker processes that have exited (their pipes)."""
+    for worker in getattr(executor, "workers", None) or []:
+        proc = getattr(worker, "proc", None)
+        close = getattr(proc, "close", None)
+        try:
+            if close is not None and proc.exitcode is not None:
+                close()
+        except (ValueError, AttributeError, OSError) as exc:  # still running, or already closed
+            logger.debug("vllm-compat: a worker's process handle stays open (%r)", exc)

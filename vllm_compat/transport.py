@@ -42,6 +42,8 @@ import logging
 import mmap
 import os
 import secrets
+import select
+import selectors
 import socket
 import struct
 import threading
@@ -61,6 +63,8 @@ __all__ = [
     "Slot",
     "StatesHandle",
     "TransportError",
+    "discarding",
+    "forget_workers",
     "handed_over_type",
     "open_states",
     "receiver_address",
@@ -88,10 +92,11 @@ PIN_PIECE = 32 << 20
 _PIN_PAUSE = 0.001
 _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-_HELLO = struct.Struct("<4s32sI")  # magic, worker token (hex), worker pid
-_MAGIC = b"VCS1"
+_HELLO = struct.Struct("<4s32sI32s")  # magic, worker token (hex), worker pid, the receiver's key (hex)
+_MAGIC = b"VCS2"
 _HEADER = struct.Struct("<QQ")  # serial, size: sent with each slab's descriptor
 _RECV_TIMEOUT = 30.0
+_HELLO_TIMEOUT = 2.0  # a connection that has not said who it is by then is closed (a worker says it as it connects)
 
 
 class TransportError(RuntimeError):
@@ -126,7 +131,6 @@ class Slab:
     def __init__(self, fd: int, size: int, buffer: Any, block: Any, piece: int, device: int | None) -> None:
         self.fd, self.size, self.buffer, self.block = fd, size, buffer, block
         self.piece, self.device = piece, device  # piece: registered with CUDA in pieces of this size (0: pageable)
-        self.serial = 0  # how many times it was handed over
         self.busy = False  # taken by a call whose states are being written
         self.handed = False  # handed over, and maybe still mapped by the generator's process
 
@@ -490,20 +494,24 @@ def _close_all(slabs: list[Slab]) -> None:
 class _Channel:
     """The worker's connection to the generator's process, over which slab descriptors travel."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: str) -> None:
         self.token = secrets.token_hex(16)
+        self.serial = 0  # hand-overs sent on this connection: the receiver reads them in this order
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.sock.connect(address)
-            self.sock.sendall(_HELLO.pack(_MAGIC, self.token.encode(), os.getpid()))
+            self.sock.sendall(_HELLO.pack(_MAGIC, self.token.encode(), os.getpid(), key.encode()))
         except OSError:
             self.sock.close()
             raise
         self.lock = threading.Lock()
 
-    def send(self, serial: int, size: int, fd: int) -> None:
+    def send(self, size: int, fd: int) -> int:
+        """Pass ``fd`` over; the hand-over's serial number."""
         with self.lock:
-            socket.send_fds(self.sock, [_HEADER.pack(serial, size)], [fd])
+            self.serial += 1
+            socket.send_fds(self.sock, [_HEADER.pack(self.serial, size)], [fd])
+            return self.serial
 
 
 _CHANNEL: list[_Channel | None] = []
@@ -519,7 +527,7 @@ def _channel() -> _Channel | None:
     channel = None
     if address:
         try:
-            channel = _Channel(_decode_address(address))
+            channel = _Channel(*_decode_address(address))
         except OSError as exc:
             logger.warning(
                 "states-through-shared-memory: cannot reach the generator's process at its socket (%s); captured "
@@ -536,13 +544,12 @@ def send_slab(slab: Slab, used: int, spec: Any, pieces: list[tuple[int, int]]) -
     channel = _channel()
     if channel is None:
         return None
-    slab.serial += 1
     slab.handed, slab.busy = True, False  # from now on, the generator's process's lock says when it is free
     try:
-        channel.send(slab.serial, used, slab.fd)
+        serial = channel.send(used, slab.fd)
     except OSError as exc:
         raise TransportError(f"cannot pass the states' descriptor to the generator's process ({exc})") from exc
-    return StatesHandle(channel.token, os.getpid(), slab.serial, used, spec, pieces)
+    return StatesHandle(channel.token, os.getpid(), serial, used, spec, pieces)
 
 
 def worker_stats() -> dict[str, Any]:
@@ -569,25 +576,49 @@ class StatesHandle:
 # -- the generator's side: receiving -------------------------------------------------------------------------------
 
 
-def _encode_address(address: str) -> str:
-    return "@" + address[1:] if address.startswith("\0") else address
+def _encode_address(address: str, key: str) -> str:
+    """The value of ``ENV_SOCKET``: the socket's address (``@`` for an abstract one) and the key a worker presents."""
+    return ("@" + address[1:] if address.startswith("\0") else address) + "#" + key
 
 
-def _decode_address(text: str) -> str:
-    return "\0" + text[1:] if text.startswith("@") else text
+def _decode_address(text: str) -> tuple[str, str]:
+    address, _, key = text.rpartition("#")
+    if not address:
+        address, key = text, ""
+    return ("\0" + address[1:] if address.startswith("@") else address), key
+
+
+class _Pending:
+    """A connection accepted but not yet known: the bytes of its hello so far, and when it must have said it all."""
+
+    __slots__ = ("data", "deadline", "peer_pid", "peer_uid")
+
+    def __init__(self, peer_pid: int, peer_uid: int) -> None:
+        self.data = b""
+        self.deadline = time.monotonic() + _HELLO_TIMEOUT
+        self.peer_pid, self.peer_uid = peer_pid, peer_uid
 
 
 class _Receiver:
-    """The generator's process's socket: workers connect once and send each slab's descriptor before their reply."""
+    """The generator's process's socket: workers connect once and send each slab's descriptor before their reply.
+
+    A connection is taken only from a process of this user that presents, with its own pid, the key this receiver
+    gave its workers through the environment (``ENV_SOCKET``). Connections are read without blocking, each given
+    ``_HELLO_TIMEOUT`` to say who it is: a stranger that connects and stays silent is closed then, and never holds up
+    a worker's connection meanwhile."""
 
     def __init__(self) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         name = f"\0vllm-compat-{os.getpid()}-{secrets.token_hex(8)}"  # abstract: no file, gone with the process
         self.listener.bind(name)
         self.listener.listen(128)
-        self.address = _encode_address(name)
+        self.listener.setblocking(False)
+        self.key = secrets.token_hex(16)
+        self.address = _encode_address(name, self.key)
         self.pid = os.getpid()
-        self.conns: dict[str, socket.socket] = {}
+        self.conns: dict[str, socket.socket] = {}  # worker token -> its connection
+        self.pids: dict[str, int] = {}  # worker token -> its pid
+        self.pending: dict[socket.socket, _Pending] = {}
         self.lock = threading.Lock()
 
     def receive(self, token: str, pid: int, serial: int, size: int) -> int:
@@ -614,45 +645,156 @@ class _Receiver:
                 if got > serial:
                     raise TransportError(f"worker pid {pid} sent hand-over {got} while {serial} was expected")
 
+    def discard(self, token: str, serial: int) -> None:
+        """Close, without waiting, the descriptors worker ``token`` sent up to hand-over ``serial`` (its reply is being
+        dropped: vllm_compat.recovery)."""
+        with self.lock:
+            conn = self.conns.get(token)
+            if conn is None:
+                return  # never accepted: the next receive from it skips the earlier hand-overs
+            while True:
+                try:
+                    msg, fds, _flags, _addr = socket.recv_fds(conn, _HEADER.size, 1, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return
+                for fd in fds:
+                    os.close(fd)
+                if len(msg) != _HEADER.size or _HEADER.unpack(msg)[0] >= serial:
+                    return
+
+    def forget(self, pids: set[int]) -> None:
+        """Close the connections of the worker processes ``pids`` (their executor was shut down)."""
+        with self.lock:
+            for token in [t for t, p in self.pids.items() if p in pids]:
+                self._drop(token)
+
+    def _drop(self, token: str) -> None:
+        conn = self.conns.pop(token, None)
+        self.pids.pop(token, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _prune(self) -> None:
+        """Close the connections whose worker has gone (hung up), so none is kept for a process that exited."""
+        poller = select.poll()
+        by_fd = {}
+        for token, conn in self.conns.items():
+            by_fd[conn.fileno()] = token
+            poller.register(conn, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        for fd, _events in poller.poll(0):
+            self._drop(by_fd[fd])
+
     def _accept_until(self, token: str, pid: int, deadline: float) -> socket.socket:
+        self._prune()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.listener, selectors.EVENT_READ)
+            for conn in self.pending:
+                selector.register(conn, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                for conn in [c for c, p in self.pending.items() if p.deadline <= now]:
+                    self._refuse(selector, conn, "it did not say who it is in time")
+                if now >= deadline:
+                    raise TransportError(f"worker pid {pid} never connected to this process")
+                wait = min([deadline, *(p.deadline for p in self.pending.values())]) - now
+                for key, _events in selector.select(max(wait, 0.001)):
+                    if key.fileobj is self.listener:
+                        self._accept(selector)
+                        continue
+                    found = self._hello(selector, key.fileobj)
+                    if found == token:
+                        return self.conns[token]
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
         while True:
-            self.listener.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
                 conn, _ = self.listener.accept()
-            except (TimeoutError, OSError) as exc:
-                raise TransportError(f"worker pid {pid} never connected to this process ({exc})") from exc
-            conn.settimeout(max(deadline - time.monotonic(), 0.001))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                logger.debug("states-through-shared-memory: accept failed (%s)", exc)
+                return
             try:
-                hello = _recv_exact(conn, _HELLO.size)
-                magic, their_token, their_pid = _HELLO.unpack(hello)
                 creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
                 peer_pid, peer_uid, _gid = struct.unpack("3i", creds)
             except (OSError, struct.error):
                 conn.close()
                 continue
-            if magic != _MAGIC or peer_uid != os.geteuid() or peer_pid != their_pid:
+            if peer_uid != os.geteuid():
                 logger.warning(
                     "states-through-shared-memory: refused a connection from pid %d (uid %d)", peer_pid, peer_uid
                 )
                 conn.close()
                 continue
-            self.conns[their_token.decode()] = conn
-            if their_token.decode() == token:
-                return conn
+            conn.setblocking(False)
+            self.pending[conn] = _Pending(peer_pid, peer_uid)
+            selector.register(conn, selectors.EVENT_READ)
 
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        part = conn.recv(n - len(data))
+    def _hello(self, selector: selectors.BaseSelector, conn: Any) -> str | None:
+        """Read what ``conn`` has sent of its hello; the worker's token once it is complete and right."""
+        pending = self.pending[conn]
+        try:
+            part = conn.recv(_HELLO.size - len(pending.data))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            part = b""
         if not part:
-            raise OSError(errno.ECONNRESET, "connection closed")
-        data += part
-    return data
+            self._refuse(selector, conn, "it hung up before saying who it is", quiet=True)
+            return None
+        pending.data += part
+        if len(pending.data) < _HELLO.size:
+            return None
+        magic, their_token, their_pid, key = _HELLO.unpack(pending.data)
+        if magic != _MAGIC or their_pid != pending.peer_pid or not secrets.compare_digest(key, self.key.encode()):
+            self._refuse(selector, conn, "it is not one of this process's vLLM workers")
+            return None
+        del self.pending[conn]
+        selector.unregister(conn)
+        conn.setblocking(True)
+        token = their_token.decode()
+        self.conns[token] = conn
+        self.pids[token] = their_pid
+        return token
+
+    def _refuse(self, selector: selectors.BaseSelector, conn: Any, why: str, quiet: bool = False) -> None:
+        pending = self.pending.pop(conn)
+        selector.unregister(conn)
+        conn.close()
+        (logger.debug if quiet else logger.warning)(
+            "states-through-shared-memory: refused a connection from pid %d (uid %d): %s",
+            pending.peer_pid,
+            pending.peer_uid,
+            why,
+        )
 
 
 _RECEIVER: list[_Receiver] = []
 _RECEIVER_LOCK = threading.Lock()
+
+
+def forget_workers(pids: set[int]) -> None:
+    """Close this process's connections from the worker processes ``pids`` (their executor was shut down)."""
+    receiver = _RECEIVER[0] if _RECEIVER and _RECEIVER[0].pid == os.getpid() else None
+    if receiver is not None and pids:
+        receiver.forget(pids)
+
+
+_DISCARD = threading.local()
+
+
+@contextlib.contextmanager
+def discarding() -> Any:
+    """While this is active in a thread, a states handle unpickled there is dropped: its descriptor is closed unmapped
+    (the worker may write the slab again) and it stands for None."""
+    _DISCARD.on = True
+    try:
+        yield
+    finally:
+        _DISCARD.on = False
 
 
 def receiver_address() -> str | None:
@@ -790,6 +932,9 @@ def open_states(token: str, pid: int, serial: int, size: int, spec: Any, pieces:
         raise TransportError(
             "a states handle reached a process that started no vLLM workers of its own (it has no receiving socket)"
         )
+    if getattr(_DISCARD, "on", False):
+        receiver.discard(token, serial)
+        return None
     fd = receiver.receive(token, pid, serial, size)
     try:
         _check_slab(fd, size, pid)
@@ -930,7 +1075,7 @@ def _forget_in_forked_child() -> None:
     for receiver in _RECEIVER:
         with contextlib.suppress(OSError):
             receiver.listener.close()
-        for conn in receiver.conns.values():
+        for conn in [*receiver.conns.values(), *receiver.pending]:
             with contextlib.suppress(OSError):
                 conn.close()
     _RECEIVER.clear()

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -188,6 +189,109 @@ def case_shm_read_only(generator: Any, judge: Judge) -> None:
     record("shm_read_only", can_create=writable, **found)
 
 
+def interrupted_calls(generator: Any, judge: Judge, interrupts: int = 8, later: int = 6) -> dict[str, Any]:
+    """``interrupts`` calls each interrupted by a SIGINT to this process (Ctrl-C at the caller) at a point spread over
+    the call, then ``later`` calls judged against transformers. generate() runs in the main thread, where Python
+    raises KeyboardInterrupt."""
+    sizes = (12, 400)  # 4800 tokens a call: several steps in flight on the CPU engine
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, even where a parent ignored SIGINT
+    generator.generate(prompts(399, *sizes))  # a warm-up: the first call of a generator is slower
+    started = time.monotonic()
+    generator.generate(prompts(400, *sizes))
+    length = max(time.monotonic() - started, 0.05)
+    landed: list[str] = []
+    attempt = 0
+    while landed.count("interrupted") < interrupts and attempt < 4 * interrupts:
+        fraction = 0.05 + 0.9 * ((attempt * 0.37) % 1.0)  # spread over the call: add, reset, steps, collect
+        attempt += 1
+        timer = threading.Timer(length * fraction, os.kill, (os.getpid(), signal.SIGINT))
+        in_call = False
+        try:
+            try:
+                timer.start()
+                in_call, started = True, time.monotonic()
+                generator.generate(prompts(410 + attempt, *sizes))
+                in_call = False
+                length = max(min(length, time.monotonic() - started), 0.05)  # aim within the calls as they are now
+                landed.append("finished first")
+            except KeyboardInterrupt:
+                landed.append("interrupted" if in_call else "after the call")
+            except Exception as exc:
+                landed.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            finally:
+                timer.cancel()
+                timer.join()
+            time.sleep(0.05)  # a SIGINT still on its way lands here, not in the next call
+        except KeyboardInterrupt:
+            landed.append("after the call")
+    outcomes = []
+    for i in range(later):
+        call = prompts(500 + i, 3 + i, 64 + 40 * i)
+        box = in_thread(lambda call=call: generator.generate(call))
+        if "value" in box:
+            try:
+                outcome = {"worst": judge.worst(call, box["value"])}
+            except AssertionError as exc:
+                outcome = {"error": f"AssertionError: {exc}"}
+        else:
+            outcome = {k: box[k] for k in ("error", "hang") if k in box}
+        outcome["passed"] = outcome.get("worst", 1.0) < 1e-4
+        outcomes.append(outcome)
+    return {
+        "call_seconds": round(length, 3),
+        "interrupted": landed.count("interrupted"),
+        "landed": landed,
+        "later": outcomes,
+        "later_passed": sum(o["passed"] for o in outcomes),
+    }
+
+
+def case_interrupted(generator: Any, judge: Judge) -> None:
+    """Ctrl-C at the caller during generate(), eight times; then calls judged against transformers."""
+    record("interrupted", **interrupted_calls(generator, judge))
+
+
+def case_interrupted_one_step(model: str, judge: Judge) -> None:
+    """The same with one engine step at a time (VLLM_COMPAT_STEPS_IN_FLIGHT=1): a generator of its own."""
+    os.environ["VLLM_COMPAT_STEPS_IN_FLIGHT"] = "1"
+    try:
+        generator = make_generator(model)
+    finally:
+        del os.environ["VLLM_COMPAT_STEPS_IN_FLIGHT"]
+    try:
+        steps = getattr(generator.executor, "_vllm_compat_steps", None)
+        depth = steps.depth if steps else 1
+        record("interrupted_one_step", steps_in_flight=depth, **interrupted_calls(generator, judge))
+    finally:
+        generator.executor.shutdown()
+
+
+def case_generations(model: str, count: int) -> None:
+    """``count`` generators made, used once and shut down in turn: this process's descriptors and connections after
+    each (a loop that makes a generator per dataset shard)."""
+    import gc
+
+    from vllm_compat import transport
+
+    fds, conns = [], []
+    for i in range(count):
+        generator = make_generator(model)
+        generator.generate(prompts(600 + i, 2, 32))
+        generator.executor.shutdown()
+        del generator
+        gc.collect()
+        fds.append(len(os.listdir("/proc/self/fd")))
+        receiver = transport._RECEIVER[0] if transport._RECEIVER else None
+        conns.append(len(receiver.conns) if receiver else 0)
+    record("generations", count=count, fds=fds, conns=conns)
+
+
+def make_generator(model: str) -> Any:
+    from speculators.data_generation import vllm_hidden_states_generator as gen_module
+
+    return gen_module.VllmHiddenStatesGenerator(model_path=model, layer_ids=LAYERS, max_model_len=2048)
+
+
 def _can_create(folder: str) -> bool:
     try:
         fd = os.open(os.path.join(folder, "probe"), os.O_CREAT | os.O_WRONLY)
@@ -219,7 +323,8 @@ def main() -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hold-bytes", type=int, default=320 << 20, help="bytes of results the hold case keeps")
-    parser.add_argument("--cases", default="hold,threads,other_process,shm_emptied,shm_read_only")
+    parser.add_argument("--cases", default="hold,threads,other_process,interrupted,shm_emptied,shm_read_only")
+    parser.add_argument("--generations", type=int, default=4, help="generators the generations case makes in turn")
     args = parser.parse_args()
     import vllm_compat  # first, as in a user's script
 
@@ -234,7 +339,7 @@ def main() -> int:
         return original(*a, **kw)
 
     gen_module.ModelConfig = float32
-    generator = gen_module.VllmHiddenStatesGenerator(model_path=args.model, layer_ids=LAYERS, max_model_len=2048)
+    generator = make_generator(args.model)
     RECORD["shm_used_after_start"] = shm_used()
     judge = Judge(args.model)
     try:
@@ -244,6 +349,9 @@ def main() -> int:
             "other_process": lambda: case_other_process(generator, judge),
             "shm_emptied": lambda: case_shm_emptied(generator, judge),
             "shm_read_only": lambda: case_shm_read_only(generator, judge),
+            "interrupted": lambda: case_interrupted(generator, judge),
+            "interrupted_one_step": lambda: case_interrupted_one_step(args.model, judge),
+            "generations": lambda: case_generations(args.model, args.generations),
         }
         for name in args.cases.split(","):
             cases[name]()

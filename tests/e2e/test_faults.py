@@ -33,19 +33,19 @@ def _private_shm_available() -> bool:
     return done.returncode == 0
 
 
-@pytest.fixture(scope="module")
-def faults(tmp_path_factory) -> dict[str, Any]:
+def run_faults(tmp: Path, cases: str | None = None) -> dict[str, Any]:
+    """tests/e2e/faults.py in a mount namespace of its own with a fresh /dev/shm of SHM_SIZE; its record."""
     if not _private_shm_available():
         pytest.skip("needs root, unshare and a tmpfs mount (a private /dev/shm)")
     from tests.e2e.tiny_model import build_tiny_llama
 
-    tmp = tmp_path_factory.mktemp("faults")
     model = build_tiny_llama(tmp / "model", num_layers=4, hidden_size=512)
     out = tmp / "faults.json"
     script = f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && exec {sys.executable} {HERE / 'faults.py'}"
     env = child_env({"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")]))})
+    extra = f" --cases {cases}" if cases else ""
     done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f"{script} --model {model} --out {out}"],
+        ["unshare", "-m", "sh", "-c", f"{script} --model {model} --out {out}{extra}"],
         env=env,
         capture_output=True,
         text=True,
@@ -55,6 +55,11 @@ def faults(tmp_path_factory) -> dict[str, Any]:
     record = json.loads(out.read_text())
     record["stderr"] = done.stderr
     return record
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> dict[str, Any]:
+    return run_faults(tmp_path_factory.mktemp("faults"))
 
 
 def case(record: dict[str, Any], name: str) -> dict[str, Any]:
@@ -106,3 +111,17 @@ def test_dev_shm_read_only_after_start(faults) -> None:
         pytest.skip(found["skipped"])
     assert found["can_create"] is False, "the case made /dev/shm read-only"
     assert "error" not in found and found["done"] == 3 and found["worst"] < TOLERANCE, found
+
+
+def check_interrupted(found: dict[str, Any]) -> None:
+    assert found["interrupted"] == 8, f"a SIGINT landed in {found['interrupted']} calls: {found['landed']}"
+    failed = [outcome for outcome in found["landed"] if outcome not in ("interrupted", "finished first")]
+    assert not failed, f"calls between the interrupts failed: {failed}"
+    assert found["later_passed"] == len(found["later"]), found["later"]
+
+
+def test_calls_after_ctrl_c_in_generate(faults) -> None:
+    """Issue 33: after a SIGINT to the caller during generate(), every later call failed (48 of 48), with misleading
+    errors (``'ModelRunnerOutput' has no len()``, ``req_N_8 has 0 captured rows``, ``Failed to capture hidden states
+    from worker``): vLLM's replies came one call late for good. Eight interrupted calls, then six judged ones."""
+    check_interrupted(case(faults, "interrupted"))

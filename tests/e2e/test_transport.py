@@ -476,3 +476,132 @@ def test_a_failed_resize_leaves_the_state_readable(worker: Worker) -> None:
     finally:
         adapter.revert()
     assert not hasattr(torch.Tensor.resize_, "__wrapped__"), "reverted"
+
+
+def _receiving_socket() -> str:
+    """This process's receiving socket, found as any local process finds it: in /proc/net/unix (abstract, no
+    permissions)."""
+    transport.receiver_address()
+    prefix = f"@vllm-compat-{os.getpid()}-"
+    with open("/proc/net/unix") as f:
+        names = {line.split()[-1] for line in f.read().splitlines()[1:] if line.split()[-1].startswith(prefix)}
+    assert len(names) == 1, names
+    return "\0" + names.pop()[1:]
+
+
+STRANGER = (
+    "import socket, sys, time\n"
+    "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+    "s.connect(chr(0) + sys.argv[1][1:])\n"  # an abstract name, written with @ as /proc/net/unix shows it
+    "print('connected', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _strangers(address: str) -> list[subprocess.Popen]:
+    """Processes that connect to ``address`` and stay silent: one of this user, and one of ``nobody`` where this
+    process may start one."""
+    import shutil
+
+    commands = [[sys.executable, "-c", STRANGER, "@" + address[1:]]]
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        commands.append(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *commands[0]])
+    started = []
+    for cmd in commands:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if proc.stdout.readline().strip() == "connected":
+            started.append(proc)
+        else:
+            proc.kill()
+    assert started, "no stranger could connect"
+    return started
+
+
+def test_a_silent_stranger_does_not_hold_up_a_new_workers_first_hand_over(tmp_path: Path) -> None:
+    """Issue 33: the receiving socket is listed in /proc/net/unix and has no permissions; a process that connected and
+    said nothing (this user's or nobody's) held a new worker's first hand-over for the whole 30 s receive deadline."""
+    strangers = _strangers(_receiving_socket())
+    w = Worker(tmp_path)  # connects at its first hand-over, after the strangers
+    try:
+        plan = plan_of([16, 8])
+        seconds = []
+        for seed in (1, 2):
+            answer, out = w.call(plan, one_step(plan), seed=seed)
+            assert answer.get("ok"), answer
+            started = time.monotonic()
+            reply = pickle.loads(out.read_bytes())  # receives the slab: what waited on the strangers
+            seconds.append(time.monotonic() - started)
+            assert same(speculators_copy(reply, plan, "0.4.0.1"), expected_samples(plan, seed))
+        print(f"receiving the first hand-over: {seconds[0]:.3f} s, the second: {seconds[1]:.3f} s, "
+              f"{len(strangers)} silent stranger(s) connected first")  # fmt: skip
+        assert seconds[0] < 1.0, f"the first hand-over waited {seconds[0]:.1f} s"
+    finally:
+        w.close()
+        for proc in strangers:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_worker_that_presents_the_wrong_key_is_refused(tmp_path: Path) -> None:
+    """A process that connects with a hello of its own making (any pid, any token) is not taken for a worker."""
+    import socket
+    import struct
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(_receiving_socket())
+    conn.sendall(struct.pack("<4s32sI32s", b"VCS2", b"0" * 32, os.getpid(), b"f" * 32))
+    with pytest.raises(transport.TransportError, match="never connected"):
+        transport._RECEIVER[0]._accept_until("0" * 32, os.getpid(), time.monotonic() + 0.5)
+    assert "0" * 32 not in transport._RECEIVER[0].conns
+    conn.close()
+
+
+def test_connections_of_workers_that_exited_are_closed(tmp_path: Path) -> None:
+    """Issue 33: every worker that ever connected kept its connection (and a descriptor) in the generator's process
+    for good: 20 generators made and shut down in turn left 20. Four stand-in workers here, one after the other."""
+    transport.receiver_address()
+    receiver = transport._RECEIVER[0]
+    conns, fds = [], []
+    for seed in range(1, 5):
+        w = Worker(tmp_path)
+        plan = plan_of([4])
+        assert same(speculators_copy(w.reply(plan, one_step(plan), seed=seed), plan, "0.4.0.1"),
+                    expected_samples(plan, seed))  # fmt: skip
+        w.close()
+        conns.append(len(receiver.conns))
+        fds.append(len(os.listdir("/proc/self/fd")))
+    print(f"connections after each worker: {conns}; descriptors: {fds}")
+    assert conns[-1] <= conns[0], f"connections grow with every worker: {conns}"
+    assert fds[-1] <= fds[0], f"descriptors grow with every worker: {fds}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 33: an op's out= resizes inside its CPU kernel, below every Python-level hook; not fixed yet "
+    "(docs/limits.md)",
+)
+@pytest.mark.parametrize("op", ["add", "matmul", "cat"])
+def test_an_out_argument_too_small_leaves_the_state_readable(worker: Worker, op: str) -> None:
+    """Issue 33: ``torch.add(..., out=state)`` (or ``matmul``, ``cat``) with a larger result raises, as a returned
+    state's memory cannot grow, but torch leaves the larger shape on it and the next read runs past its memory. Only
+    the shape is checked here (a read could crash the test process)."""
+    import warnings
+
+    plan = plan_of([50])
+    (sample,) = speculators_copy(worker.reply(plan, one_step(plan)), plan, "0.4.0.1")
+    state = sample[0]
+    shape, stride, offset = state.shape, state.stride(), state.storage_offset()
+    big = torch.ones(50 * 64, HIDDEN, dtype=state.dtype)
+    calls = {
+        "add": lambda: torch.add(big, big, out=state),
+        "matmul": lambda: torch.matmul(torch.ones(50 * 64, 4, dtype=state.dtype), big[:4], out=state),
+        "cat": lambda: torch.cat([big, big], out=state),
+    }
+    try:
+        with warnings.catch_warnings(), pytest.raises(RuntimeError, match="not resizable"):
+            warnings.simplefilter("ignore")  # torch's deprecation warning for resizing a non-empty out=
+            calls[op]()
+        assert state.shape == shape, f"the state was left with shape {tuple(state.shape)}"
+    finally:
+        state.set_(state.untyped_storage(), offset, shape, stride)  # readable again for the rest of the test
+    assert torch.equal(state, expected_samples(plan)[0][0])
