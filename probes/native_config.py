@@ -36,7 +36,7 @@ def method(view: ApiView) -> Observation:
     loc = view.locate(dotted)
     if loc is None:
         if view.locate("vllm.config.SpeculativeConfig") is None:
-            return Observation.unknown("vllm.config has no SpeculativeConfig")
+            return Observation("missing", "vllm.config has no SpeculativeConfig: no speculative method at all")
         dotted, loc = "vllm.config.SpeculativeConfig", view.locate("vllm.config.SpeculativeConfig")
     parsed = parse_source(view, dotted)
     if parsed is None:
