@@ -78,6 +78,44 @@ def layer_ids(view: ApiView) -> Observation:
     )
 
 
+_DRAFT_CONFIG_READERS = (
+    "vllm.v1.worker.gpu.spec_decode.extract_hidden_states_config.ExtractHiddenStatesSpeculatorConfig.configure",
+    "vllm.config.speculative.SpeculativeConfig",
+)
+
+
+@probe(
+    "native.config.draft_hf_config",
+    symbol="vllm.config.speculative.SpeculativeConfig.draft_model_config",
+    summary="a draft_model_config given as {'hf_config': {...}} (how launch_vllm.py passes the layer ids) is merged "
+    "into the extractor's hf_config",
+    expected=dict.fromkeys(
+        NATIVE_LINES, "for extract_hidden_states, draft_model_config['hf_config'] is merged into the draft hf_config"
+    ),
+)
+def draft_hf_config(view: ApiView) -> Observation:
+    """launch_vllm.py passes ``"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [...]}}``;
+    vLLM takes the dict's ``hf_config`` apart in SpeculativeConfig (0.17 to 0.33) or in the V2 speculator's config
+    (0.34). Where nothing reads it, the layer ids never reach the extractor."""
+    seen = []
+    for dotted in _DRAFT_CONFIG_READERS:
+        parsed = parse_source(view, dotted)
+        if parsed is None:
+            continue
+        seen.append(evidence(parsed[1]))
+        text = ast.unparse(parsed[0])
+        if METHOD in text and "'hf_config' in " in text and "['hf_config']" in text:
+            return Observation(BASELINE, "the draft_model_config dict's hf_config is merged", (evidence(parsed[1]),))
+    if not seen:
+        return Observation("missing", "vLLM has no SpeculativeConfig")
+    return Observation(
+        "ignored",
+        "nothing takes draft_model_config['hf_config'] for extract_hidden_states: the layer ids launch_vllm.py "
+        "passes never reach the extractor",
+        tuple(seen),
+    )
+
+
 @probe(
     "native.config.layer_index",
     symbol="vllm.model_executor.models.llama.LlamaModel.forward",
@@ -126,7 +164,7 @@ _KV_FIELDS = {
 @probe(
     "native.config.kv_transfer_fields",
     symbol="vllm.config.kv_transfer.KVTransferConfig",
-    summary="KVTransferConfig takes the fields launch_vllm.py's --kv_transfer_config sets, and kv_role 'kv_producer'",
+    summary="KVTransferConfig takes the fields launch_vllm.py's --kv_transfer_config sets",
     expected={line: f"KVTransferConfig takes {', '.join(fields)}" for line, fields in _KV_FIELDS.items()},
 )
 def kv_transfer_fields(view: ApiView) -> Observation:

@@ -83,6 +83,26 @@ def example(view: ApiView) -> Observation:
 
 
 @probe(
+    "native.connector.storage_path",
+    symbol=f"{EXAMPLE}.__init__",
+    summary="ExampleHiddenStatesConnector writes under kv_connector_extra_config['shared_storage_path'] (the "
+    "--hidden-states-path launch_vllm.py passes)",
+    expected=dict.fromkeys(NATIVE_LINES, "the connector reads shared_storage_path from kv_connector_extra_config"),
+)
+def storage_path(view: ApiView) -> Observation:
+    parsed = parse_source(view, EXAMPLE)
+    if parsed is None:
+        return Observation("missing", "vLLM has no ExampleHiddenStatesConnector")
+    if "shared_storage_path" in {n.value for n in ast.walk(parsed[0]) if isinstance(n, ast.Constant)}:
+        return Observation(BASELINE, "the connector reads shared_storage_path", (evidence(parsed[1]),))
+    return Observation(
+        "ignored",
+        "ExampleHiddenStatesConnector never reads shared_storage_path: the files go elsewhere than the client reads",
+        (evidence(parsed[1]),),
+    )
+
+
+@probe(
     "native.connector.module_path",
     symbol=f"{FACTORY}.get_connector_class",
     summary="vLLM loads a connector class from kv_connector_module_path (how hs-connectors' connectors get in)",
@@ -299,8 +319,8 @@ def creation(view: ApiView) -> Observation:
 )
 def runner(view: ApiView) -> Observation:
     """Variants: ``baseline`` (only Model Runner V1, which has the extract_hidden_states proposer), ``v1_fallback``
-    (V2 exists and lacks it, and the chooser sends the method to V1: vLLM 0.23 to 0.28 list it as unsupported on V2;
-    VLLM_USE_V2_MODEL_RUNNER=1 would force V2, which has no extractor: vLLM #49562), ``v2`` (V2 has an
+    (V2 exists and lacks it, and V1 runs the method: opt-in V2 in 0.17 to 0.22; in 0.23 to 0.28 the chooser lists it
+    as unsupported on V2, and VLLM_USE_V2_MODEL_RUNNER=1 makes V2 refuse it at start-up: vLLM #49562), ``v2`` (V2 has an
     ExtractHiddenStatesSpeculator: vLLM 0.29.0 on), ``v2_refuses`` (V2 is what runs and has none)."""
     v1 = view.locate("vllm.v1.spec_decode.extract_hidden_states.ExtractHiddenStatesProposer")
     v1_runner = view.has_module("vllm.v1.worker.gpu_model_runner")
@@ -324,8 +344,8 @@ def runner(view: ApiView) -> Observation:
     if unsupported is not None and "speculative method" in ast.unparse(unsupported[0]):
         return Observation(
             "v1_fallback",
-            "Model Runner V2 lacks the extractor and VllmConfig sends unsupported speculative methods to V1 (unless "
-            "VLLM_USE_V2_MODEL_RUNNER=1 forces V2)",
+            "Model Runner V2 lacks the extractor and VllmConfig sends unsupported speculative methods to V1; with "
+            "VLLM_USE_V2_MODEL_RUNNER=1 V2 refuses the method at start-up (vLLM #49562, until 0.29.0): leave it unset",
             (evidence(unsupported[1]), evidence(v1)),
         )
     return Observation(

@@ -56,6 +56,8 @@ def each(lines: tuple[str, ...], probe: str, variant: str) -> tuple[Variant, ...
 EXPECTED_VARIANTS: dict[str, set[Variant]] = {
     "0.16.0": {
         *each(ALL, _LAYER_IDS, "missing"),  # no vllm/v1/spec_decode/extract_hidden_states.py
+        *each(ALL, "native.config.draft_hf_config", "ignored"),  # vllm/config/speculative.py:56
+        *each(ALL, "native.connector.storage_path", "missing"),  # no kv_connector/v1/example_hidden_states_connector.py
         *each(ALL, _LAYER_INDEX, "before_layer"),  # vllm/model_executor/models/llama.py:401
         *each(ALL, _METHOD, "missing"),  # vllm/config/speculative.py:56
         *each(ALL, _CONNECTOR, "missing"),  # no kv_connector/v1/example_hidden_states_connector.py
@@ -230,7 +232,7 @@ def test_probe_cli_json_for_speculators_0_9_0(release: str, capsys) -> None:
     assert report["speculators_lines"] == [N09] and report["speculators_version"] == "0.9.0"
     got = {(f["probe"], f["speculators"], f["variant"]) for f in report["findings"] if f["variant"] != "baseline"}
     assert got == {v for v in EXPECTED_VARIANTS[release] if v[1] == N09}
-    assert len(report["findings"]) == 35  # every fact native-0.9 touches, baseline ones included
+    assert len(report["findings"]) == 37  # every fact native-0.9 touches, baseline ones included
     assert report["unknown"] == []
     assert rc == (0 if passing(release, N09) else 1) and report["ok"] is (rc == 0)
     assert report["proof"][0]["level"] == "code_only"  # no end-to-end run of the native line on record yet
