@@ -195,3 +195,19 @@ def test_native_section_says_which_releases_each_native_line_works_with(gen_docs
     assert "| `native.config.layer_index` | 0.17.0: `before_layer` |" in text
     assert "0.17.0: `before_layer`; 0.18.0: `missing` |" in text
     assert "--allow-code-only" in text  # judged by the code only, and said so
+
+
+@pytest.mark.wheels
+def test_compatibility_page_has_the_native_section_from_real_wheels(gen_docs) -> None:
+    from vllm_compat.sources import cache_dir
+
+    plans, missing = gen_docs.probe_releases(["0.17.0", "0.22.0"], cache_dir())
+    if missing:
+        pytest.skip(f"not cached and cannot be fetched: {missing}")
+    page = gen_docs.compatibility_page(plans, [], {}, None, native=gen_docs.probe_native(list(plans), cache_dir()))
+    native = page.split("## speculators 0.5 to 0.9: extraction through `vllm serve`")[1]
+    assert "- **native-0.5** works, as probed, with vLLM **0.22.0 to 0.22.0**." in native
+    assert "| 0.17.0 | **unhandled**: `native.config.layer_index` |" in native
+    assert "| 0.22.0 | works | works | works | works | works |" in native
+    assert "`native.config.layer_index` | 0.17.0: `before_layer` |" in native
+    assert "## speculators 0.5" not in gen_docs.compatibility_page(plans, [], {}, None)  # only when asked for
