@@ -302,3 +302,23 @@ def test_a_moved_import(vllm_tree) -> None:
     moved = cut_function(tree, _EXAMPLE_FILE, "extract_from_kv_cache")
     (tree / "vllm/v1/kv_cache_extract.py").write_text('"""Moved."""\n\n' + moved)
     assert_fails_closed(tree, _EXTRACT, "not at any known new place")
+
+
+def test_an_unreadable_fact_is_unknown_and_strict_fails_on_it(vllm_tree) -> None:
+    """vLLM 0.34.0, but LlamaModel.forward collects the aux hidden states in a way no probe knows: the layer-index
+    fact is unknown. Without --strict the report still passes (an unknown fact is not drift); with --strict it fails
+    naming the fact (--allow-code-only: the native line has no end-to-end record, which --strict refuses too)."""
+    tree = vllm_tree("0.34.0")
+    rel = "vllm/model_executor/models/llama.py"
+    text = (tree / rel).read_text()
+    assert text.count("self._maybe_add_hidden_state(") == 2  # vllm/model_executor/models/llama.py:429, :439 in 0.34.0
+    (tree / rel).write_text(text.replace("self._maybe_add_hidden_state(", "self._record_layer_output("))
+    lenient = probe_cli(tree, "--json")
+    report = json.loads(lenient.stdout)
+    assert lenient.returncode == 0 and report["unknown"] == [_LAYER_INDEX] and report["unhandled"] == []
+    strict = probe_cli(tree, "--strict", "--allow-code-only")
+    assert strict.returncode == 1, strict.stdout[-2000:]
+    row = next(line for line in strict.stdout.splitlines() if line.strip().startswith(_LAYER_INDEX + " "))
+    assert "UNKNOWN" in row
+    assert "collects aux hidden states in no known way" in " ".join(strict.stdout.split())
+    assert probe_cli(tree, "--strict").returncode == 1  # and without --allow-code-only: not proven end to end
