@@ -9,7 +9,8 @@ docs/compatibility.md: for every vLLM release, the probes run over its wheel (``
 then ``StaticView``: nothing installed, nothing imported) and judged for both speculators lines, and what the
 unchanged speculators extraction (and training step) did on that release's real vLLM engine: the per-cell records of
 ``scripts/e2e_matrix.py`` in docs/e2e-matrix.json (``--e2e-report`` reads another file). README.md's end-to-end
-summary (between its ``e2e-summary`` markers) is generated from the same records.
+summary (between its ``e2e-summary`` markers) is generated from the same records. Its last section judges the same
+wheels for speculators 0.5 to 0.9 (the native lines, ``probes/native_*.py``).
 docs/adapters.md: one entry per adapter, from its class attributes and docstring. Wheels are fetched once into
 ``--cache`` (else ``$VLLM_COMPAT_CACHE``, else ``~/.cache/vllm-compat/wheels``). Never edit the two pages by hand.
 """
