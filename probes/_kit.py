@@ -73,8 +73,14 @@ def import_probe(
     name: str,
     lines: Iterable[str],
     moved_to: Sequence[str] = (),
+    id_prefix: str = "import.",
+    surface: str = "imports",
+    summary: str | None = None,
 ) -> Probe:
-    """speculators does ``from module import name``: is it there, moved, or gone?"""
+    """speculators does ``from module import name``: is it there, moved, or gone?
+
+    ``id_prefix`` and ``surface`` place the fact (the native line's imports are ``native.import.*`` facts of the
+    ``native_imports`` surface); ``summary`` replaces the default one."""
     lines = tuple(lines)
     dotted = f"{module}.{name}"
 
@@ -94,11 +100,11 @@ def import_probe(
             return Observation("moved", f"{module} no longer has {name}; it moved to {alt[0]}", (evidence(alt[1]),))
         return Observation("missing", f"{module} has no {name}, and it is not at any known new place")
 
-    observe.__module__ = "vllm_compat.probes.imports"
+    observe.__module__ = f"vllm_compat.probes.{surface}"
     return probe(
-        f"import.{module.removeprefix('vllm.')}.{name}",
+        f"{id_prefix}{module.removeprefix('vllm.')}.{name}",
         symbol=dotted,
-        summary=f"`from {module} import {name}` succeeds",
+        summary=summary or f"`from {module} import {name}` succeeds",
         expected={line: f"`from {module} import {name}` works" for line in lines},
     )(observe)
 

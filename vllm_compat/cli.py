@@ -13,7 +13,7 @@ from pathlib import Path
 from vllm_compat.errors import SourceError
 from vllm_compat.lines import judge_line
 from vllm_compat.proof import proof_for
-from vllm_compat.versions import SPECULATORS_LINES, speculators_line
+from vllm_compat.versions import NATIVE_LINES, SPECULATORS_LINES, native_line, speculators_line
 
 __all__ = ["main"]
 
@@ -55,8 +55,10 @@ def _parser() -> argparse.ArgumentParser:
         "--speculators",
         metavar="VERSION",
         type=_speculators_version,
-        help="the speculators release to judge for: any 0.3.x or 0.4.x version, judged as its line (0.3.0 or "
-        "0.4.0.1) (default: the line of the speculators code Python imports, or both)",
+        help="the speculators release to judge for: any 0.3.x or 0.4.x version, judged as its in-process line (0.3.0 "
+        "or 0.4.0.1), or any 0.5.x to 0.9.x version, judged as its native line (native-0.5 .. native-0.9: `vllm "
+        "serve` with extract_hidden_states) (default: the line of the speculators code Python imports; the native "
+        "line of an installed speculators 0.5+; else both in-process lines)",
     )
     probe.add_argument(
         "--family",
@@ -125,22 +127,25 @@ def _speculators_version(text: str) -> str:
 def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | None, str]:
     """The speculators lines to judge, the version to report, and how the line was chosen.
 
-    ``speculators`` (``--speculators``) is any 0.3.x or 0.4.x version, judged as its line. Without it, the line of the
+    ``speculators`` (``--speculators``) is any 0.3.x or 0.4.x version, judged as its in-process line, or any 0.5.x to
+    0.9.x version, judged as its native line (vllm_compat/versions.py NATIVE_LINES). Without it, the line of the
     speculators code Python would import, judged as the generator's guard judges it (vllm_compat/lines.py: from the
-    code, the metadata only where no code is found; nothing is imported); both lines where none can be told.
-    Raises SourceError for a version outside both lines.
+    code, the metadata only where no code is found; nothing is imported); where no generator code is found and the
+    installed speculators is 0.5 or later, its native line; both in-process lines where none can be told.
+    Raises SourceError for a version outside every line.
     """
     if speculators is not None:
         from packaging.version import InvalidVersion
 
         try:
-            line = speculators_line(speculators)
+            line = speculators_line(speculators) or native_line(speculators)
         except InvalidVersion:
             line = None
         if line is None:
             raise SourceError(
                 f"unknown speculators line {speculators!r}: vllm-compat serves speculators 0.3.x and 0.4.x (judged "
-                f"as {' and '.join(SPECULATORS_LINES)}); give one of those versions"
+                f"as {' and '.join(SPECULATORS_LINES)}, the in-process generator) and 0.5.x to 0.9.x (judged as "
+                f"{', '.join(NATIVE_LINES)}, extraction through `vllm serve`); give one of those versions"
             )
         if speculators == line:
             how = f"line {line}, as given (--speculators)"
@@ -148,6 +153,13 @@ def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | 
             how = f"line {line} (--speculators {speculators}, judged as the {line} line)"
         return (line,), speculators, how
     verdict = judge_line()
+    native = native_line(verdict.metadata_version) if verdict.how == "absent" else None
+    if native is not None:
+        how = (
+            f"line {native} (speculators {verdict.metadata_version} installed, which extracts through `vllm serve`; "
+            "no in-process generator code found)"
+        )
+        return (native,), verdict.metadata_version, how
     lines = (verdict.line,) if verdict.line else tuple(SPECULATORS_LINES)
     if verdict.how == "absent":
         how = (
@@ -160,9 +172,9 @@ def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | 
 
 def probe_plan(source: str | None, speculators: str | None = None, families=None, live: bool = False):
     """The plan ``vllm-compat probe`` reports: ``source`` (None: the installed vLLM, read from its files; imported
-    with ``live``) judged for ``speculators`` (a 0.3.x/0.4.x version; None: the line of the speculators code Python
-    imports, or both lines) and the model ``families`` (None: the default, "all", or names). Raises SourceError when
-    there is nothing to probe."""
+    with ``live``) judged for ``speculators`` (a 0.3.x/0.4.x version, or 0.5.x to 0.9.x for its native line; None:
+    as ``speculators_choice`` decides) and the model ``families`` (None: the default, "all", or names). Raises
+    SourceError when there is nothing to probe."""
     from vllm_compat.plan import make_plan
     from vllm_compat.sources import open_view
 

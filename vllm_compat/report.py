@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from vllm_compat.findings import Finding, State
 from vllm_compat.plan import Plan
 from vllm_compat.proof import Proof
-from vllm_compat.versions import VLLM_SERVED, served_range
+from vllm_compat.versions import VLLM_SERVED, line_kind, served_range
 
 __all__ = ["render_json", "render_table"]
 
@@ -138,6 +138,13 @@ def _verdict(
             "file:line). Pin a vLLM release this report passes, or upgrade vllm-compat; a new adapter must cover "
             "the observed variant."
         )
+        native = [line for line in plan.lines if line_kind(line) == "native"]
+        if native and any(f.speculators in native for f in failing):
+            notes.append(
+                f"{', '.join(native)}: speculators extracts through `vllm serve` (extract_hidden_states and a "
+                "hidden-states KV connector), and vllm-compat has no adapters for that path: pin a vLLM release this "
+                "report passes for the line (docs/compatibility.md, 'speculators 0.5 to 0.9')."
+            )
     for note in notes:
         if note.startswith("not covered: "):  # one line, whole: names to search for, not prose
             lines.append(f"  {note}")

@@ -193,7 +193,7 @@ def test_no_vllm_installed_subprocess_exits_2(capsys) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["probe", "--speculators", "0.9.9"], ["probe", "--no-such-flag"], ["frobnicate"]],
+    [[], ["probe", "--speculators", "0.10.9"], ["probe", "--no-such-flag"], ["frobnicate"]],
 )
 def test_usage_errors_exit_2(args: list[str], capsys) -> None:
     rc, _out, err = run_main(args, capsys)
@@ -386,7 +386,7 @@ def test_any_served_speculators_version_is_judged_as_its_line(
     assert f"speculators: {report['speculators_judged']}" in table and f"speculators {line}:" in table
 
 
-@pytest.mark.parametrize("asked", ["0.5.0", "0.2.9", "1.0", "not-a-version"])
+@pytest.mark.parametrize("asked", ["0.10.0", "0.2.9", "1.0", "not-a-version"])
 def test_a_speculators_version_outside_both_lines_is_a_usage_error(asked: str, capsys) -> None:
     rc, out, err = run_main(["probe", "--speculators", asked], capsys)
     assert rc == 2 and out == ""

@@ -163,3 +163,51 @@ def test_compatibility_page_from_real_wheels_and_an_e2e_report(gen_docs, tmp_pat
     assert changes.count("+ `request-eos-token-id`") == 2  # newly needed by both lines
     without = gen_docs.compatibility_page(plans, ["0.99.0"], {}, None)
     assert "end to end" not in without and "Not probed (no wheel could be fetched): 0.99.0." in without
+
+
+def test_native_section_says_which_releases_each_native_line_works_with(gen_docs) -> None:
+    """docs/compatibility.md's native section, from native plans: the first release from which a line passes on
+    every later one, the per-release verdicts, and the variants by probe."""
+    from vllm_compat.findings import Finding, State
+    from vllm_compat.plan import Plan
+
+    def plan(version: str, drift: dict[str, str]) -> Plan:
+        made = Plan(version, "static", gen_docs.NATIVE)
+        for line in gen_docs.NATIVE:
+            variant = drift.get(line, "baseline")
+            state = State.BASELINE if variant == "baseline" else State.DRIFTED
+            ok = variant == "baseline"
+            probe = "native.config.layer_index"
+            made.findings.append(Finding(probe, "x", line, state, "e", "o", variant, "", None, ok))
+        return made
+
+    late = {"native-0.8": "missing", "native-0.9": "missing"}
+    plans = {
+        "0.17.0": plan("0.17.0", dict.fromkeys(gen_docs.NATIVE, "before_layer")),
+        "0.18.0": plan("0.18.0", late),
+        "0.22.0": plan("0.22.0", {}),
+    }
+    text = "\n".join(gen_docs.native_section(plans))
+    assert "- **native-0.5** works, as probed, with vLLM **0.18.0 to 0.22.0**." in text
+    assert "- **native-0.9** works, as probed, with vLLM **0.22.0 to 0.22.0**." in text
+    assert "| 0.17.0 | " + " | ".join(["**unhandled**: `native.config.layer_index`"] * 5) + " |" in text
+    assert "| 0.22.0 | works | works | works | works | works |" in text
+    assert "| `native.config.layer_index` | 0.17.0: `before_layer` |" in text
+    assert "0.17.0: `before_layer`; 0.18.0: `missing` |" in text
+    assert "--allow-code-only" in text  # judged by the code only, and said so
+
+
+@pytest.mark.wheels
+def test_compatibility_page_has_the_native_section_from_real_wheels(gen_docs) -> None:
+    from vllm_compat.sources import cache_dir
+
+    plans, missing = gen_docs.probe_releases(["0.17.0", "0.22.0"], cache_dir())
+    if missing:
+        pytest.skip(f"not cached and cannot be fetched: {missing}")
+    page = gen_docs.compatibility_page(plans, [], {}, None, native=gen_docs.probe_native(list(plans), cache_dir()))
+    native = page.split("## speculators 0.5 to 0.9: extraction through `vllm serve`")[1]
+    assert "- **native-0.5** works, as probed, with vLLM **0.22.0 to 0.22.0**." in native
+    assert "| 0.17.0 | **unhandled**: `native.config.layer_index` |" in native
+    assert "| 0.22.0 | works | works | works | works | works |" in native
+    assert "`native.config.layer_index` | 0.17.0: `before_layer` |" in native
+    assert "## speculators 0.5" not in gen_docs.compatibility_page(plans, [], {}, None)  # only when asked for
