@@ -93,10 +93,10 @@ FULL_MATRIX_SUITES = {"0.3.0@0.32.0": FULL_SUITE, "0.4.0.1@0.32.0": FULL_SUITE}
 # build for both lines, a mid release for the newer line, and the import-level check on the release without a CPU
 # build. The newest 0.4.0.1 cell adds what guards this library's own contract beyond the core: the hand-over and its
 # faults (Ctrl-C during a call, a silent stranger on the receiving socket, workers that exited among them), bad
-# input and constructor failures, layer labels, `probe --json`, a refusing adapter, one step at a time, and the
-# multimodal wrapper (Kimi-K2.5). tests/e2e/test_faults_full.py (Ctrl-C one step at a time, generators made in
-# turn: a few generators of their own) runs in the full suite only. The whole suite (about 45 minutes a cell on 2
-# cores) runs in the full matrix, on both lines of the newest CPU build.
+# input and constructor failures, layer labels, `probe --json`, a refusing adapter, one step at a time, the
+# multimodal wrapper (Kimi-K2.5), and a quiet exit. tests/e2e/test_faults_full.py (Ctrl-C one step at a time,
+# generators made in turn: a few generators of their own) runs in the full suite only. The whole suite (about 45
+# minutes a cell on 2 cores) runs in the full matrix, on both lines of the newest CPU build.
 CI_CELLS = ["0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
 CI_GUARD_SUITE = [
     *CORE_SUITE,
@@ -110,6 +110,7 @@ CI_GUARD_SUITE = [
     "tests/e2e/test_fail_closed.py::test_a_refusing_adapter_says_why_at_import",
     "tests/e2e/test_extraction.py::test_one_step_at_a_time_where_asked",
     "tests/e2e/test_families.py::test_family_states_match_transformers[kimi_k25]",
+    "tests/e2e/test_exit.py",
 ]
 CI_SUITES = {"0.4.0.1@0.32.0": CI_GUARD_SUITE}
 
@@ -122,6 +123,9 @@ RUN_PATHS = (*KEY_PATHS, "tests/e2e", "pyproject.toml", "setup.py", "scripts/e2e
 _SKIP_REQUIREMENT = re.compile(
     r"^(torch|torchvision|torchaudio|torchcodec|intel[-_]extension[-_]for[-_]pytorch|triton)\b", re.I
 )
+# What README.md tells users to install beside speculators (installed with --no-deps), the installed transformers named
+# with it so that pip keeps transformers' huggingface_hub range (tests/unit/test_e2e_matrix.py checks the README)
+README_DATASETS = "datasets>=4.8.4"
 ENV_SIZE_GB = 10  # the largest environment a release needs (0.11.0: 8.2 GB, CUDA torch and IPEX)
 COMPLETE = ".matrix-complete"  # written into an environment once it is fully built
 
@@ -291,12 +295,66 @@ def build_cpu_env(venv: Path, version: str, downloads: Path) -> None:
     pip(venv, "--no-deps", str(wheel))
     if not any(r.lower().startswith("transformers") and ">=5" in r.replace(" ", "") for r in requirements):
         requirements.append("transformers<5")  # releases before 0.24 predate transformers 5 (and so does speculators)
-    # datasets: speculators' preprocessing and vocabulary code, which the training-step test runs
-    pip(venv, *requirements, "loguru", "pytest", "wrapt", "packaging", "tokenizers", "safetensors", "datasets")
+    pip(venv, *requirements, "loguru", "pytest", "wrapt", "packaging", "tokenizers", "safetensors")
+    install_torchvision(venv, version, torch)
     if version.startswith("0.11."):
         # vLLM 0.11's CPU attention needs IPEX for a prefill that continues a cached context (chunked prefill)
         pip(venv, "--no-deps", "intel_extension_for_pytorch==2.8.0")
     add_cpu_alias(venv, version)
+    install_readme_datasets(venv)
+
+
+def installed(venv: Path, name: str) -> str | None:
+    done = run(
+        [str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+        check=False,
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def vllm_torchvision_pin(version: str) -> str | None:
+    """The torchvision that ``pip install vllm==version`` brings: vLLM's own pin, read from the release's metadata on
+    the package index (nothing is downloaded but the metadata); None where it names none or cannot be read."""
+    done = run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--dry-run", "--no-deps", "--ignore-installed",
+         "--report", "-", f"vllm=={version}"],
+        check=False, timeout=300,
+    )  # fmt: skip
+    try:
+        requires = json.loads(done.stdout)["install"][0]["metadata"].get("requires_dist", [])
+    except (ValueError, LookupError, TypeError):
+        return None
+    pins = [m.group(1) for r in requires if (m := re.match(r"torchvision\s*==\s*([0-9.]+)\s*(;|$)", r))]
+    return pins[0] if pins else None
+
+
+def install_torchvision(venv: Path, version: str, torch: str) -> None:
+    """torchvision at vLLM's pin, as a user's ``pip install vllm==X`` brings it, where the torch build allows it.
+
+    Not beside a ``+cpu`` torch: PyPI's torchvision is built against PyPI's torch, and next to a local CPU build
+    ``import torchvision`` fails (``RuntimeError: operator torchvision::nms does not exist``), and with it
+    transformers' imports. Installed with torch named at the version present, so pip never changes torch.
+    """
+    present = installed(venv, "torch") or ""
+    if "+" in present:
+        log(f"vLLM {version}: torchvision left out: torch {present} is a local build PyPI's torchvision breaks")
+        return
+    pin = vllm_torchvision_pin(version)
+    if pin is None:
+        log(f"vLLM {version}: torchvision left out: vLLM's pin could not be read")
+        return
+    try:
+        pip(venv, f"torchvision=={pin}", f"torch=={present or torch}")
+    except RuntimeError as exc:
+        log(f"vLLM {version}: torchvision {pin} left out: it does not install beside torch {present}: {exc}")
+        return
+    log(f"vLLM {version}: torchvision {pin} (vLLM's pin)")
+
+
+def install_readme_datasets(venv: Path) -> None:
+    """What README.md tells users to install for speculators' scripts: datasets, with the transformers present."""
+    transformers = installed(venv, "transformers")
+    pip(venv, README_DATASETS, *([f"transformers=={transformers}"] if transformers else []))
 
 
 def add_cpu_alias(venv: Path, version: str) -> None:
@@ -316,7 +374,8 @@ def add_cpu_alias(venv: Path, version: str) -> None:
 def build_full_env(venv: Path, version: str) -> None:
     """A venv holding the real vllm wheel and its pinned dependencies (for releases without a CPU build)."""
     run([sys.executable, "-m", "venv", str(venv)])
-    pip(venv, f"vllm=={version}", "loguru", "pytest", timeout=3000)
+    pip(venv, f"vllm=={version}", "loguru", "pytest", timeout=3000)  # vLLM's own pins, torchvision included
+    install_readme_datasets(venv)
 
 
 def install_vllm_compat(venv: Path) -> None:

@@ -56,7 +56,7 @@ def activated_in_worker(how: str) -> None:
     about 27 lines per worker, from its C-level exit hook, after the interpreter is torn down. So a worker that is a
     multiprocessing child whose ``run()`` ended (``_bootstrap`` computed its exit code and ran multiprocessing's own
     clean-up) ends as vLLM's fork-started workers always end, with ``os._exit`` and that exit code, once every
-    ``atexit`` handler has run and before the module teardown: see ``_end_after_exit_handlers``.
+    ``atexit`` handler has run: see ``_at_exit``.
     """
     global route
     if route is None:
@@ -110,8 +110,9 @@ def _at_exit() -> None:
     # The first collection after the atexit handlers is the one Py_FinalizeEx starts before tearing the modules down
     # (where gc is enabled); the audit event comes after the teardown, before the C-level exit hooks. Both are added
     # only now: nothing runs while the worker works.
-    gc.callbacks.append(lambda phase, info: end() if phase == "start" and sys.is_finalizing() else None)
-    sys.addaudithook(lambda event, args: end() if event == _INTERPRETER_CLEAR else None)
+    # Both bind what they use: after the teardown, module globals are None.
+    gc.callbacks.append(lambda phase, info, fin=sys.is_finalizing: end() if phase == "start" and fin() else None)
+    sys.addaudithook(lambda event, args, name=_INTERPRETER_CLEAR: end() if event == name else None)
 
 
 def _ender(code: int) -> Any:

@@ -26,7 +26,8 @@ weights only and take text prompts: vLLM builds no vision tower (``ModelConfig(l
 without it, e.g. 0.16, get ``limit_mm_per_prompt`` of 0 for every modality, which skips the tower the same way).
 Kimi-K2.5 runs with DeepSeek-V3's CPU settings and is compared with transformers' DeepSeek-V3 on the same weights.
 A family whose vLLM model module does not import in this environment is skipped with the import error (Qwen3-VL
-needs torchvision, which vLLM's CPU environments lack, and which must match torch's build).
+needs torchvision, which must match torch's build: the matrix installs vLLM's pin beside PyPI's torch, none beside a
+``+cpu`` torch).
 ``VLLM_COMPAT_E2E_FAMILIES`` (comma-separated) picks the families to run; the default is all of them.
 """
 

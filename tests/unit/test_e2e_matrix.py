@@ -301,3 +301,22 @@ def test_an_attempt_that_ran_no_test_leaves_a_pass_on_record(matrix, repo: Path)
     assert kept["untested_attempt"] == {"date": "2026-12-03T00:00:00Z", "commit": "abc", "error": "no libtcmalloc"}
     assert matrix.untested_attempt(None, attempt) is attempt
     assert matrix.untested_attempt({**passed_record(fp), "passed": False}, attempt) is attempt
+
+
+def test_the_environments_install_datasets_as_the_readme_says(matrix) -> None:
+    """The end-to-end environments install speculators' side as users do: what README.md and docs/index.md say."""
+    advice = f'pip install "{matrix.README_DATASETS}"'
+    for page in ("README.md", "docs/index.md"):
+        assert advice in (ROOT / page).read_text(), f"{page} no longer says {advice}"
+
+
+def test_torchvision_is_left_out_beside_a_local_torch_build(matrix, monkeypatch, tmp_path) -> None:
+    calls = []
+    monkeypatch.setattr(matrix, "installed", lambda venv, name: "2.13.0+cpu")
+    monkeypatch.setattr(matrix, "pip", lambda venv, *args, **kw: calls.append(args))
+    monkeypatch.setattr(matrix, "vllm_torchvision_pin", lambda version: "0.28.0")
+    matrix.install_torchvision(tmp_path, "0.31.0", "2.13.0")
+    assert calls == []
+    monkeypatch.setattr(matrix, "installed", lambda venv, name: "2.13.0")
+    matrix.install_torchvision(tmp_path, "0.31.0", "2.13.0")
+    assert calls == [("torchvision==0.28.0", "torch==2.13.0")]  # torch named as it is: pip never changes it
