@@ -211,16 +211,16 @@ def gpu_cells(report: Path | None) -> dict[tuple[str, str], dict]:
 
 
 def proof_record(report: Path | None) -> str:
-    """vllm_compat/e2e_record.json: per speculators line and vLLM release, the kinds of run that passed (or, where
-    none did, the kinds that ran), and the date of the newest; what ``vllm-compat probe`` reports as proven."""
+    """vllm_compat/e2e_record.json: per speculators line and vLLM release, whether every run of it passed, the kinds
+    of run (those that failed, where one did) and the date of the newest; what ``vllm-compat probe`` reports."""
     lines: dict[str, dict[str, dict]] = {}
     records = matrix_module().load_report(report).values() if report is not None and report.exists() else []
     for r in sorted(records, key=lambda r: (r["speculators"], Version(r["vllm"]), r["kind"])):
-        entry = lines.setdefault(r["speculators"], {}).setdefault(r["vllm"], {"kinds": [], "passed": False, "date": ""})
+        entry = lines.setdefault(r["speculators"], {}).setdefault(r["vllm"], {"kinds": [], "passed": True, "date": ""})
         passed = bool(r.get("passed"))
-        if passed and not entry["passed"]:  # a pass replaces what only failed
-            entry.update(kinds=[], passed=True)
-        if passed or not entry["passed"]:
+        if not passed and entry["passed"]:  # a failure anywhere (a GPU shows what the CPU hides) outweighs passes
+            entry.update(kinds=[], passed=False, date="")
+        if passed == entry["passed"]:
             entry["kinds"] = sorted({*entry["kinds"], r["kind"]})
             entry["date"] = max(entry["date"], r.get("date", "")[:10])
     out = ['{"format": 1, "from": "docs/e2e-matrix.json", "lines": {']
