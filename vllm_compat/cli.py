@@ -12,7 +12,7 @@ from pathlib import Path
 
 from vllm_compat.errors import SourceError
 from vllm_compat.lines import judge_line
-from vllm_compat.proof import proof_for
+from vllm_compat.proof import proof_for, refusal
 from vllm_compat.versions import NATIVE_LINES, SPECULATORS_LINES, native_line, speculators_line
 
 __all__ = ["main"]
@@ -216,9 +216,7 @@ def _probe(args: argparse.Namespace) -> int:
     # the generator's guard refuses code of no known line; the probe's verdict agrees with it
     line_unknown = args.speculators is None and judge_line().unknown
     proofs = [proof_for(plan.vllm_version, line) for line in plan.lines]
-    # a failed run is known breakage, refused always; what nobody ran is refused in strict mode
-    unproven = any(p.level == "failed" for p in proofs) or (args.strict and not all(p.proven for p in proofs))
-    refused = unproven and not args.allow_code_only
+    refused = refusal(proofs, args.strict, args.allow_code_only)
     if args.json:
         text = render_json(plan, version, args.strict, judged=how, line_unknown=line_unknown, proofs=proofs,
                            refused=refused)  # fmt: skip
@@ -228,7 +226,7 @@ def _probe(args: argparse.Namespace) -> int:
             show_all=args.show_all, proofs=proofs, refused=refused,
         )  # fmt: skip
     print(text, file=report_to, flush=True)
-    return EXIT_OK if plan.passes(args.strict) and not line_unknown and not refused else EXIT_DRIFT
+    return EXIT_OK if plan.passes(args.strict) and not line_unknown and refused is None else EXIT_DRIFT
 
 
 def _status(args: argparse.Namespace) -> int:

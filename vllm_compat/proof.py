@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PROVEN", "RECORD_FILE", "Proof", "load_record", "proof_for"]
+__all__ = ["PROVEN", "RECORD_FILE", "Proof", "load_record", "proof_for", "refusal"]
 
 RECORD_FILE = Path(__file__).resolve().parent / "e2e_record.json"
 
@@ -90,3 +90,16 @@ def proof_for(vllm_version: str | None, line: str, record: dict[str, dict[str, d
             f"no run of its own; releases before and after it passed end to end ({passing[0]} to {passing[-1]})",
         )  # fmt: skip
     return Proof(line, str(version), "code_only", f"no end-to-end run on record: judged by its code only ({newest})")
+
+
+def refusal(proofs: list[Proof], strict: bool, allow_code_only: bool) -> str | None:
+    """Why the probe refuses these proofs, or None: ``"failed"`` (an end-to-end run of the release failed: known
+    breakage, refused with or without strict mode) or ``"unproven"`` (strict mode, and some line never ran end to end).
+    ``allow_code_only`` accepts the code's judgement in both cases."""
+    if allow_code_only:
+        return None
+    if any(p.level == "failed" for p in proofs):
+        return "failed"
+    if strict and not all(p.proven for p in proofs):
+        return "unproven"
+    return None

@@ -23,18 +23,18 @@ def render_json(
     judged: str | None = None,
     line_unknown: bool = False,
     proofs: Sequence[Proof] = (),
-    refused: bool = False,
+    refused: str | None = None,
 ) -> str:
     """The JSON report; ``judged`` says how the speculators line was chosen; with ``line_unknown`` (the speculators
-    code matches neither line, so the generator's guard would stop) or ``refused`` (a release whose end-to-end run
-    failed, or in strict mode one not proven end to end) it is not ok."""
+    code matches neither line, so the generator's guard would stop) or ``refused`` (why the proof is refused:
+    vllm_compat.proof.refusal) it is not ok."""
     data = plan.to_json(speculators_installed, strict)
     if judged is not None:
         data["speculators_judged"] = judged
     data["vllm_range"] = served_range(plan.vllm_version)
     data["proof"] = [p.to_json() for p in proofs]
-    data["refused_unproven"] = refused
-    data["ok"] = bool(data["ok"]) and not line_unknown and not refused
+    data["refused_unproven"] = refused is not None
+    data["ok"] = bool(data["ok"]) and not line_unknown and refused is None
     return json.dumps(data, indent=2, sort_keys=False)
 
 
@@ -47,13 +47,13 @@ def render_table(
     line_unknown: bool = False,
     show_all: bool = False,
     proofs: Sequence[Proof] = (),
-    refused: bool = False,
+    refused: str | None = None,
 ) -> str:
     """The report for people: the verdict first, then the rows that need a look (drifted, unknown); ``show_all``
     adds the baseline rows, ``verbose`` their details too."""
     passes = plan.passes(strict) and not line_unknown and not refused
     out = [f"vllm-compat probe: vLLM {plan.vllm_version or '?'} ({origin})"]
-    out += _verdict(plan, strict, passes, line_unknown, refused, proofs)
+    out += _verdict(plan, strict, passes, line_unknown, refused)
     out += [
         textwrap.fill(f"proof, speculators {p.line}: {p.detail}", width=118, subsequent_indent="    ") for p in proofs
     ]
@@ -86,9 +86,7 @@ def render_table(
     return "\n".join(out)
 
 
-def _verdict(
-    plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused: bool = False, proofs: Sequence[Proof] = ()
-) -> list[str]:
+def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused: str | None = None) -> list[str]:
     """The verdict and, where it fails, what is not covered and what to do."""
     drift = [f for f in plan.findings if f.state is State.DRIFTED]
     covered = [f for f in drift if f.handled]
@@ -98,7 +96,7 @@ def _verdict(
     )
     strictly = " (strict: unknown counts as unhandled)" if strict else ""
     if refused:
-        strictly += "; failed end to end" if any(p.level == "failed" for p in proofs) else "; not proven end to end"
+        strictly += "; failed end to end" if refused == "failed" else "; not proven end to end"
     lines = [f"verdict: {'OK' if passes else 'FAIL'}: {counts}{strictly}"]
     where = served_range(plan.vllm_version)
     notes = []
@@ -112,7 +110,7 @@ def _verdict(
             f"vLLM {plan.vllm_version} is newer than the releases the probes were checked against ({SERVED}): "
             "judged on its code by the same probes"
         )
-    if refused and any(p.level == "failed" for p in proofs):
+    if refused == "failed":
         notes.append(
             "refused: an end-to-end run of this release failed (see 'proof' below; docs/compatibility.md has what "
             "failed): pin a release that passed, or, to accept the judgement of its code alone, --allow-code-only"

@@ -67,12 +67,11 @@ def newest_release(run=None, dest: Path | None = None) -> str:
     ``run`` stands in for ``subprocess.run`` (tests). Raises SourceError when the index cannot be reached.
     """
     run = run or subprocess.run
-    done = run(
-        [sys.executable, "-m", "pip", "index", "versions", "vllm", *_target()],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def pip(*args: str):
+        return run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False)
+
+    done = pip("index", "versions", "vllm", *_target())
     found = _INDEX_LINE.search(done.stdout or "")
     if done.returncode == 0 and found:
         return found["version"]
@@ -80,12 +79,7 @@ def newest_release(run=None, dest: Path | None = None) -> str:
     if "unknown command" in said or "no such command" in said.lower():
         dest = dest or cache_dir()
         dest.mkdir(parents=True, exist_ok=True)
-        done = run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", *_target(), "--dest", str(dest), "vllm"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        done = pip("download", "--no-deps", *_target(), "--dest", str(dest), "vllm")
         found = _WHEEL_NAME.search(done.stdout or "")
         if done.returncode == 0 and found:
             return found["version"]
