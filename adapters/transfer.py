@@ -47,7 +47,7 @@ def hand_over_slab(call: capture.CallCapture) -> Any:
     handle = transport.send_slab(slab, layout.size, spec, pieces)
     if handle is not None:
         return handle
-    states = transport._replace(spec, transport.Slot, lambda s: transport._view(slab.block, s).clone())
+    states = transport.map_slots(spec, transport.Slot, lambda s: transport.slot_view(slab.block, s).clone())
     call.release()
     return states
 

@@ -235,7 +235,7 @@ def _rpc_reply(call: CallCapture) -> Any:
     spec, _pieces = call.finish()
     block = call.block
     call.block = None
-    return transport._replace(spec, transport.Slot, lambda slot: transport._view(block, slot).clone())
+    return transport.map_slots(spec, transport.Slot, lambda slot: transport.slot_view(block, slot).clone())
 
 
 HAND_OVER: Callable[[CallCapture], Any] = _rpc_reply  # states-through-shared-memory points it at the slab's hand-over

@@ -281,7 +281,7 @@ def case_generations(model: str, count: int) -> None:
         del generator
         gc.collect()
         fds.append(len(os.listdir("/proc/self/fd")))
-        receiver = transport._RECEIVER[0] if transport._RECEIVER else None
+        receiver = transport.wire.current_receiver()
         conns.append(len(receiver.conns) if receiver else 0)
     record("generations", count=count, fds=fds, conns=conns)
 

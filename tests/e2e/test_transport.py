@@ -28,6 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from tests.e2e.standin_worker import DECODE_MARKER, states  # noqa: E402
 from vllm_compat import transport  # noqa: E402
+from vllm_compat.transport.caller import _MAPS as MAPS  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -365,20 +366,20 @@ def test_memory_goes_with_the_last_tensor_and_nothing_is_named(worker: Worker) -
     shm = shm_names()
     gc.disable()  # freed by reference counting as the last tensor goes, not whenever the collector runs
     try:
-        base = transport._MAPS.live
+        base = MAPS.live
         plan = plan_of([20] * 10)
         reply = worker.reply(plan, one_step(plan))
-        assert transport._MAPS.live == base + 1, "the reply holds one mapping of the call's slab"
+        assert MAPS.live == base + 1, "the reply holds one mapping of the call's slab"
         samples = speculators_copy(reply, plan, "0.4.0.1")
-        assert transport._MAPS.live == base + 1, "the returned tensors share it, each with a storage of its own bytes"
+        assert MAPS.live == base + 1, "the returned tensors share it, each with a storage of its own bytes"
         del reply
         kept = samples[5][1]
         del samples
-        assert transport._MAPS.live == base + 1
+        assert MAPS.live == base + 1
         assert worker.ask(op="slabs")["free"] < worker.ask(op="slabs")["slabs"], "the kept tensor holds its slab"
         assert torch.equal(kept, expected_samples(plan)[5][1])
         del kept
-        assert transport._MAPS.live == base, "nothing is mapped once no tensor is left"
+        assert MAPS.live == base, "nothing is mapped once no tensor is left"
         slabs = worker.ask(op="slabs")
         assert slabs["free"] == slabs["slabs"], "the worker may write the slab again"
     finally:
@@ -551,8 +552,8 @@ def test_a_worker_that_presents_the_wrong_key_is_refused(tmp_path: Path) -> None
     conn.connect(_receiving_socket())
     conn.sendall(struct.pack("<4s32sI32s", b"VCS2", b"0" * 32, os.getpid(), b"f" * 32))
     with pytest.raises(transport.TransportError, match="never connected"):
-        transport._RECEIVER[0]._accept_until("0" * 32, os.getpid(), time.monotonic() + 0.5)
-    assert "0" * 32 not in transport._RECEIVER[0].conns
+        transport.wire.current_receiver()._accept_until("0" * 32, os.getpid(), time.monotonic() + 0.5)
+    assert "0" * 32 not in transport.wire.current_receiver().conns
     conn.close()
 
 
@@ -560,7 +561,7 @@ def test_connections_of_workers_that_exited_are_closed(tmp_path: Path) -> None:
     """Issue 33: every worker that ever connected kept its connection (and a descriptor) in the generator's process
     for good: 20 generators made and shut down in turn left 20. Four stand-in workers here, one after the other."""
     transport.receiver_address()
-    receiver = transport._RECEIVER[0]
+    receiver = transport.wire.current_receiver()
     conns, fds = [], []
     for seed in range(1, 5):
         w = Worker(tmp_path)

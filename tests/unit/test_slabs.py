@@ -17,6 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from vllm_compat import capture, transport  # noqa: E402
+from vllm_compat.transport import slabs  # noqa: E402
 
 MIB = 1 << 20
 
@@ -52,7 +53,7 @@ def test_a_slab_is_sealed_shared_memory_with_every_page_in_place() -> None:
 def test_a_kernel_without_populate_on_request_gets_a_whole_slab(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before Linux 5.14 ``MADV_POPULATE_WRITE`` is EINVAL: the slab is then allocated by fallocate and mapped
     populated, and is as usable."""
-    monkeypatch.setattr(transport, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
+    monkeypatch.setattr(slabs, "_MADV_POPULATE_WRITE", 0x7FFF)  # an advice no kernel knows: EINVAL
     slab = transport.Slab.make(5 * MIB, device=None, pin=False)
     try:
         assert slab.size == 6 * MIB and int(slab.block.sum()) == 0
@@ -70,16 +71,16 @@ def test_a_slab_is_not_populated_through_pythons_mmap(monkeypatch: pytest.Monkey
     def refuse(*args, **kwargs):
         raise AssertionError("mmap.mmap used to make a slab")
 
-    monkeypatch.setattr(transport.mmap, "mmap", refuse)
+    monkeypatch.setattr(slabs.mmap, "mmap", refuse)
     slab = transport.Slab.make(4 * MIB, device=None, pin=False, background=True)
     try:
         slab.block.fill_(3)
         assert int(slab.block[::4096].sum()) == 3 * (4 * MIB // 4096)
     finally:
         slab.close()
-    libc = transport._libc()
+    libc = slabs._libc()
     for call in (libc.mmap, libc.madvise, libc.munmap):  # not PyDLL's (which keeps the GIL)
-        assert not call._flags_ & transport.ctypes._FUNCFLAG_PYTHONAPI, "a ctypes.CDLL call: the GIL is released"
+        assert not call._flags_ & slabs.ctypes._FUNCFLAG_PYTHONAPI, "a ctypes.CDLL call: the GIL is released"
 
 
 class FakeCudart:
@@ -113,7 +114,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_slab_is_registered_in_pieces_and_unregistered_whole(fake_cuda, monkeypatch) -> None:
-    monkeypatch.setattr(transport, "PIN_PIECE", 2 * MIB)
+    monkeypatch.setattr(slabs, "PIN_PIECE", 2 * MIB)
     cudart = fake_cuda(FakeCudart())
     slab = transport.Slab.make(7 * MIB, device=0, pin=True)
     base = slab.block.data_ptr()
@@ -124,7 +125,7 @@ def test_a_slab_is_registered_in_pieces_and_unregistered_whole(fake_cuda, monkey
 
 
 def test_a_failed_piece_leaves_nothing_registered(fake_cuda, monkeypatch) -> None:
-    monkeypatch.setattr(transport, "PIN_PIECE", 2 * MIB)
+    monkeypatch.setattr(slabs, "PIN_PIECE", 2 * MIB)
     cudart = fake_cuda(FakeCudart(fail_at=3))
     slab = transport.Slab.make(8 * MIB, device=0, pin=True)
     try:

@@ -1,0 +1,432 @@
+"""The worker's side: the slabs a vLLM worker writes each call's captured states into.
+
+Runs in the vLLM worker process of the rank that captures (vllm_compat.capture keeps one ``Slabs`` there). A slab is
+made (anonymous shared memory with every page in place, by a few threads with the GIL released), registered with
+CUDA as pinned memory in pieces, and sealed; ``Slabs`` gives each call the smallest free slab that fits, keeps spares
+ready from a maker thread, and closes the slabs it no longer needs. A slab handed over is free again once no process
+holds a lock on it (vllm_compat.transport.caller takes that lock in the generator's process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from vllm_compat.transport._libc import _MAP_FAILED, _Libc, _libc
+from vllm_compat.transport.layout import ENV_PINNED_LIMIT, SIZE_SEALS
+
+logger = logging.getLogger("vllm_compat")
+
+_STEP = 2 << 20  # slab sizes are whole 2 MiB
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page up front: no page faults while copying
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: put a range's pages in place, an error (not SIGBUS) where memory is short
+_FILL_THREADS = 8  # a slab's pages are put in place by up to this many threads at once (the kernel zero-fills each)
+# Slabs are registered with CUDA in pieces of this size, with a pause between pieces when made while a call runs:
+# the driver holds up the worker's kernel launches and copies while it registers (on an H200, 27 ms for a 640 MiB
+# slab at once, under 1.2 ms with pieces). A copy may not cross the border of two registrations (the driver refuses
+# it: invalid argument), so the capture splits copies at these borders.
+PIN_PIECE = 32 << 20
+_PIN_PAUSE = 0.001
+_F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
+
+
+def _round(n: int, step: int = _STEP) -> int:
+    return max(-(-n // step) * step, step)
+
+
+class Slab:
+    """Sealed anonymous shared memory the worker writes a call's states into; handed over by descriptor."""
+
+    def __init__(self, fd: int, size: int, buffer: Any, block: Any, piece: int, device: int | None) -> None:
+        self.fd, self.size, self.buffer, self.block = fd, size, buffer, block
+        self.piece, self.device = piece, device  # piece: registered with CUDA in pieces of this size (0: pageable)
+        self.busy = False  # taken by a call whose states are being written
+        self.handed = False  # handed over, and maybe still mapped by the generator's process
+
+    @property
+    def pinned(self) -> bool:
+        return self.piece > 0
+
+    @classmethod
+    def make(cls, size: int, device: int | None, pin: bool, background: bool = False) -> Slab:
+        """A slab of ``size`` bytes (whole 2 MiB) with every page in place; OSError where memory is short.
+
+        Everything slow here runs with the GIL released (the kernel zero-filling the pages, by a few threads; CUDA
+        registering them, in pieces), so a slab made in the background while a call runs does not hold the call up:
+        Python's own ``mmap`` keeps the GIL while it populates a mapping, which stopped a worker's steps for as long
+        (0.26 s for 640 MiB on an H200 host)."""
+        size = _round(size)
+        fd = os.memfd_create("vllm-compat-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            addr = _map_filled(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        buffer = (ctypes.c_char * size).from_address(addr)
+        weakref.finalize(buffer, _libc().munmap, addr, size).atexit = False  # unmapped with the last view
+        try:
+            _seal(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        import torch
+
+        block = torch.frombuffer(buffer, dtype=torch.uint8)
+        piece = _pin(block, device, _PIN_PAUSE if background else 0.0) if pin and device is not None else 0
+        return cls(fd, size, buffer, block, piece, device)
+
+    def is_free(self) -> bool:
+        """Whether the worker may write it: not in use by a call, and never handed over or no process holds a lock on
+        it any more."""
+        if self.busy:
+            return False
+        if not self.handed:
+            return True
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        self.handed = False
+        return True
+
+    def view(self, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
+        return self.block.narrow(0, offset, nbytes).view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unregister and let go: the mapping goes with the last tensor viewing it."""
+        if self.block is None:
+            return
+        if self.pinned:
+            _unpin(self.block, self.device, self.piece)
+            self.piece = 0
+        self.block = self.buffer = None
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+
+
+def _map_filled(fd: int, size: int) -> int:
+    """Map ``size`` bytes of ``fd`` shared, every page in place (ENOMEM/ENOSPC now, not SIGBUS at the first write):
+    by a few threads at once where the kernel populates ranges on request (``MADV_POPULATE_WRITE``), else by
+    ``fallocate`` and a populated mapping. The address; the calls go through ctypes, which releases the GIL."""
+    libc = _libc()
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    try:
+        if _populate(libc, addr, size):
+            return addr
+        libc.munmap(addr, size)
+        addr = None
+        os.posix_fallocate(fd, 0, size)
+        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _POPULATE, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            addr = None
+            raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+        return addr
+    except BaseException:
+        if addr is not None:
+            libc.munmap(addr, size)
+        raise
+
+
+def _populate(libc: _Libc, addr: int, size: int) -> bool:
+    """Put every page of the mapping in place, split among threads: False where this kernel cannot (before 5.14)."""
+    threads = max(1, min(_FILL_THREADS, os.cpu_count() or 1, size // _STEP))
+    share = _round(-(-size // threads))
+    ranges = [(at, min(share, size - at)) for at in range(0, size, share)]
+    errors: list[int] = []
+
+    def fill(at: int, n: int) -> None:
+        if libc.madvise(addr + at, n, _MADV_POPULATE_WRITE) != 0:
+            errors.append(ctypes.get_errno())
+
+    workers = [threading.Thread(target=fill, args=r, name="vllm_compat_fill", daemon=True) for r in ranges[1:]]
+    for w in workers:
+        w.start()
+    fill(*ranges[0])
+    for w in workers:
+        w.join()
+    if not errors:
+        return True
+    if all(e == errno.EINVAL for e in errors):
+        return False  # no MADV_POPULATE_WRITE here
+    err = next(e for e in errors if e != errno.EINVAL)
+    raise OSError(err, f"cannot put {size} bytes of states memory in place: {os.strerror(err)}")
+
+
+def _seal(fd: int) -> None:
+    """Fix the slab's size and forbid every later write but through the worker's mapping (where the kernel can)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | _F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:  # a kernel before 5.1 knows no future-write seal: seal the size only
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
+
+
+def piece_ranges(offset: int, nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` split where it crosses a multiple of ``piece`` (0: not split): the copies into a slab
+    registered in pieces, none of which may cross a border."""
+    if not piece or nbytes <= 0 or offset // piece == (offset + nbytes - 1) // piece:
+        return [(offset, nbytes)]
+    out = []
+    at, end = offset, offset + nbytes
+    while at < end:
+        stop = min(end, (at // piece + 1) * piece)
+        out.append((at, stop - at))
+        at = stop
+    return out
+
+
+def _pin(block: Any, device: int, pause: float) -> int:
+    """Register the slab with CUDA (page-locked) in pieces of ``PIN_PIECE``, so copies from the GPU into it are
+    asynchronous DMAs: the piece size, or 0 where it cannot be registered (copies then work at pageable speed)."""
+    import torch
+
+    start, size = block.data_ptr(), block.numel()
+    done: list[int] = []
+    try:
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(device):
+            for at in range(0, size, PIN_PIECE):
+                result = cudart.cudaHostRegister(start + at, min(PIN_PIECE, size - at), 0)
+                if int(getattr(result, "value", result)) != 0:
+                    logger.debug("states-through-shared-memory: cudaHostRegister returned %s; pageable", result)
+                    break
+                done.append(start + at)
+                if pause:
+                    time.sleep(pause)  # the driver is the worker's steps' meanwhile
+    except Exception as exc:  # no CUDA runtime binding: copies still work, at pageable speed
+        logger.debug("states-through-shared-memory: cannot pin a slab (%r)", exc)
+    if len(done) * PIN_PIECE >= size:
+        return PIN_PIECE
+    _unregister(done, device)
+    return 0
+
+
+def _unpin(block: Any, device: int | None, piece: int) -> None:
+    start = block.data_ptr()
+    _unregister([start + at for at in range(0, block.numel(), piece)], device)
+
+
+def _unregister(addresses: list[int], device: int | None) -> None:
+    import torch
+
+    with contextlib.suppress(Exception), torch.cuda.device(device):
+        cudart = torch.cuda.cudart()
+        for address in addresses:
+            cudart.cudaHostUnregister(address)
+
+
+def _pinned_limit() -> int:
+    """The most slab memory one worker registers with CUDA: VLLM_COMPAT_PINNED_LIMIT_GIB, else a quarter of RAM."""
+    value = os.environ.get(ENV_PINNED_LIMIT, "").strip()
+    if value:
+        try:
+            return int(float(value) * 2**30)
+        except ValueError:
+            logger.warning("vllm-compat: %s=%r is not a number of GiB; using the default", ENV_PINNED_LIMIT, value)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+MOST_SPARES = 2  # free slabs kept ready at most (see Slabs.spares)
+
+
+class Slabs:
+    """A worker's slabs: a call takes the smallest free one that fits, and a thread keeps spares ready.
+
+    Host memory: the slabs the generator's process still maps (its live results, exactly as large as ordinary
+    tensors holding them would be) plus at most ``MOST_SPARES`` free ones (one where making a slab takes less time
+    than a call: see ``spares``). Pinned memory: at most ``_pinned_limit()``; slabs beyond it stay pageable (copies
+    into them are synchronous, slower).
+    """
+
+    def __init__(self) -> None:
+        self.slabs: list[Slab] = []
+        self.lock = threading.Lock()
+        self.maker: threading.Thread | None = None
+        self.device: int | None = None
+        self.expected = 0  # the size spares are made for: the largest call so far
+        self.limit: int | None = None
+        self.warned_unpinned = False
+        self.closers: list[threading.Thread] = []
+        self.make_seconds = 0.0  # how long making the last slab in the background took
+        self.call_seconds: float | None = None  # the shortest time between two calls' takes so far
+        self.last_take: float | None = None
+
+    def pinned_bytes(self) -> int:
+        return sum(s.size for s in self.slabs if s.pinned)
+
+    def spares(self) -> int:
+        """How many free slabs to keep ready: two while making one takes longer than a call (or nothing says yet),
+        else one. A caller that keeps two calls' results while the next runs (a warm-up's, say) needs a third slab
+        at once, and a spare started only when the previous call took the last one is not ready in time where the
+        host fills memory slower than the GPU computes (640 MiB in 0.34 s on one H200 host, against 0.165 s calls).
+        Where calls are slower than making a slab (large calls, whose memory matters most), one spare suffices."""
+        if self.call_seconds is None or self.make_seconds > self.call_seconds:
+            return MOST_SPARES
+        return 1
+
+    def _make(self, size: int, background: bool = False) -> Slab:
+        if self.limit is None:
+            self.limit = _pinned_limit()
+        pin = self.device is not None and self.pinned_bytes() + _round(size) <= self.limit
+        if self.device is not None and not pin and not self.warned_unpinned:
+            self.warned_unpinned = True
+            logger.warning(
+                "states-through-shared-memory: the worker's pinned states memory would pass %.1f GiB (%s); further "
+                "slabs are pageable and copies into them slower. Drop or save earlier results sooner, or raise %s.",
+                self.limit / 2**30,
+                "held by results still alive in the generator's process",
+                ENV_PINNED_LIMIT,
+            )
+        started = time.perf_counter()
+        slab = Slab.make(size, self.device, pin, background)
+        if background:
+            self.make_seconds = time.perf_counter() - started
+        return slab
+
+    def prepare(self, size: int, device: int | None) -> None:
+        """Make, in a thread, the first call's slab and the spares after it (``size`` bytes each, an estimate, before
+        the first call): ``results = generate(...)`` in a loop keeps one call's results while the next runs, and a
+        warm-up's kept results add one more. Later spares follow the calls actually made."""
+        self.device = device
+        if self.expected or self.slabs:
+            return
+
+        self._make_in_background(size, 1 + self.spares())
+
+    def take(self, size: int) -> tuple[Slab, dict[str, Any]]:
+        """A free slab of at least ``size`` bytes for one call (made now only where none is ready)."""
+        started = time.perf_counter()
+        if self.last_take is not None:
+            interval = started - self.last_take
+            self.call_seconds = interval if self.call_seconds is None else min(self.call_seconds, interval)
+        self.last_take = started
+        slab = self._take_free(size)
+        maker = self.maker
+        if slab is None and maker is not None:
+            maker.join()  # a spare on its way: it is what this call needs
+            slab = self._take_free(size)
+        waited = time.perf_counter() - started
+        made = slab is None
+        if slab is None:
+            slab = self._make(size)
+        with self.lock:
+            self.slabs.append(slab)
+            slab.busy = True  # in use by this call until it is handed over (or given back)
+        self.expected = max(self.expected, size)
+        self._retire_extra(keep=slab)
+        self._spares_in_background(self.expected)
+        return slab, {"waited_seconds": waited, "made_now": made, "slab_bytes": slab.size, "pinned": slab.pinned}
+
+    def _take_free(self, size: int) -> Slab | None:
+        with self.lock:
+            free = [s for s in self.slabs if s.size >= size and s.is_free()]
+            slab = min(free, key=lambda s: s.size) if free else None
+            if slab is not None:
+                self.slabs.remove(slab)
+        return slab
+
+    def _ready(self, want: int) -> int:
+        """Free slabs of ``want`` bytes known to be free: never handed over, or found free by a take since. Never asks
+        a handed slab's lock: from the maker's thread that could run between the worker's hand-over and the caller
+        taking its lock, and find a slab free whose states the caller is about to map."""
+        with self.lock:
+            return sum(1 for s in self.slabs if s.size >= want and not s.busy and not s.handed)
+
+    def _spares_in_background(self, want: int) -> None:
+        """Where fewer than ``spares()`` free slabs of ``want`` bytes are ready, start making them, one after the
+        other, each with room for a somewhat longer call."""
+        if not want or (self.maker is not None and self.maker.is_alive()) or self._ready(want) >= self.spares():
+            return
+        self._make_in_background(want + want // 4, MOST_SPARES, lambda: self._ready(want) >= self.spares())
+
+    def _make_in_background(self, size: int, count: int, enough: Callable[[], bool] = lambda: False) -> None:
+        """Start the maker thread: up to ``count`` slabs of ``size`` bytes, one after the other, until ``enough()``."""
+
+        def run() -> None:
+            for _ in range(count):
+                if enough():
+                    return
+                try:
+                    slab = self._make(size, background=True)
+                except OSError as exc:
+                    logger.debug("states-through-shared-memory: no slab made ahead (%s)", exc)
+                    return
+                with self.lock:
+                    self.slabs.append(slab)
+
+        self.maker = threading.Thread(target=run, name="vllm_compat_slab", daemon=True)
+        self.maker.start()
+
+    def _retire_extra(self, keep: Slab) -> None:
+        """Close free slabs but the spares: the smallest that fit the largest call so far. Memory the caller gave back
+        goes back, and a slab made for an estimate goes once the calls are known to be smaller. Closed in a thread:
+        unregistering from CUDA is not for the call that is starting."""
+        with self.lock:
+            free = sorted((s for s in self.slabs if s is not keep and s.is_free()), key=lambda s: s.size)
+            fitting = [s for s in free if s.size >= self.expected]
+            spares = fitting[: self.spares()] if fitting else free[-1:]
+            extra = [s for s in free if s not in spares]
+            for slab in extra:
+                self.slabs.remove(slab)
+        if extra:
+            closer = threading.Thread(target=_close_all, args=(extra,), name="vllm_compat_slab_close", daemon=True)
+            closer.start()
+            self.closers = [t for t in self.closers if t.is_alive()] + [closer]
+
+    def close(self) -> None:
+        if self.maker is not None:
+            self.maker.join(timeout=30)
+        for closer in self.closers:
+            closer.join(timeout=30)
+        with self.lock:
+            slabs, self.slabs = self.slabs, []
+        for slab in slabs:
+            slab.close()
+
+
+def _close_all(slabs: list[Slab]) -> None:
+    for slab in slabs:
+        slab.close()
+
+
+_STATS: dict[str, Any] = {}
+
+
+def worker_stats() -> dict[str, Any]:
+    """The last call's hand-over in this worker: bytes, seconds (exposed, after the call's last step),
+    overlapped_seconds (spent during the steps), slab_reused, made_now, waited_seconds, pinned, direct."""
+    return dict(_STATS)
+
+
+def record_stats(**values: Any) -> None:
+    _STATS.clear()
+    _STATS.update(values)
+
+
+def _forget_in_forked_child() -> None:
+    _STATS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_forked_child)
