@@ -92,16 +92,18 @@ FULL_MATRIX_SUITES = {"0.3.0@0.32.0": FULL_SUITE, "0.4.0.1@0.32.0": FULL_SUITE}
 # What CI runs within its time budget (2 cores, 90 minutes for everything; measured about an hour): the newest CPU
 # build for both lines, a mid release for the newer line, and the import-level check on the release without a CPU
 # build. The newest 0.4.0.1 cell adds what guards this library's own contract beyond the core: the hand-over and its
-# faults (Ctrl-C during a call, a silent stranger on the receiving socket, workers that exited among them), bad
-# input and constructor failures, layer labels, `probe --json`, a refusing adapter, one step at a time, the
-# multimodal wrapper (Kimi-K2.5), and a quiet exit. tests/e2e/test_faults_full.py (Ctrl-C one step at a time,
-# generators made in turn: a few generators of their own) runs in the full suite only. The whole suite (about 45
+# faults (Ctrl-C during a call, a silent stranger on the receiving socket, workers that exited among them), a 4 GiB
+# memory cgroup around a 16k-token generator, bad input and constructor failures, layer labels, `probe --json`, a
+# refusing adapter, one step at a time, the multimodal wrapper (Kimi-K2.5), and a quiet exit.
+# tests/e2e/test_faults_full.py (Ctrl-C one step at a time, generators made in turn: a few generators of their own)
+# runs in the full suite only. The whole suite (about 45
 # minutes a cell on 2 cores) runs in the full matrix, on both lines of the newest CPU build.
 CI_CELLS = ["0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
 CI_GUARD_SUITE = [
     *CORE_SUITE,
     "tests/e2e/test_transport.py",
     "tests/e2e/test_faults.py",
+    "tests/e2e/test_memory_limit.py",
     "tests/e2e/test_bad_input.py",
     "tests/e2e/test_constructor_failures.py",
     "tests/e2e/test_layer_ids.py::test_each_state_is_the_layer_it_is_labelled_with[scripts-default]",

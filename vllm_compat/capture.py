@@ -31,6 +31,7 @@ logger = logging.getLogger("vllm_compat")
 
 Plan = list[tuple[str, int]]  # (request id, prompt tokens) in input order, as speculators added them
 SLABS = transport.Slabs()  # this worker's slabs (only the rank that captures uses them)
+transport.when_released(SLABS.reclaim)  # a slab the caller lets go of is closed then, not at the next call
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ Commands arrive as JSON lines on stdin; each answer is one line on stdout, ``@@ 
 
     {"op": "call", "plan": [[rid, n], ...], "steps": [[[rid, rows], ...], ...], "line": "0.4.0.1", "out": PATH,
      "layers": 3, "hidden": 8, "dtype": "bfloat16", "seed": 1, "fail_at_step": null}
-    {"op": "slabs"}        -> {"slabs": N, "free": N, "busy": N, "pinned_bytes": N}
+    {"op": "slabs"}        -> {"slabs": N, "free": N, "busy": N, "pinned_bytes": N, "bytes": N, "sizes": [N, ...]}
     {"op": "prepare", "size": N} -> the slabs made ahead at setup, once they are made
+    {"op": "wait_slabs", "at_most": N, "seconds": S} -> polls until it holds at most N slabs (or S pass): "slabs"
     {"op": "join_maker"}   -> waits for a slab being made by the thread; {"slabs": N}
     {"op": "fds"}          -> {"fds": [fd, ...]}: the descriptors of its slabs (another process may try them)
     {"op": "speculators", ...same as call...} -> speculators 0.4.0.1's own reply for the same steps, pickled to PATH
@@ -24,6 +25,7 @@ import json
 import os
 import pickle
 import sys
+import time
 
 DECODE_MARKER = -7.0
 
@@ -119,6 +121,18 @@ def speculators_reply(cmd: dict) -> dict:
     return {"ok": True}
 
 
+def slabs_answer(pool) -> dict:
+    slabs = list(pool.slabs)
+    return {
+        "slabs": len(slabs),
+        "free": sum(s.is_free() for s in slabs),
+        "busy": sum(s.busy for s in slabs),
+        "pinned_bytes": pool.pinned_bytes(),
+        "bytes": sum(s.size for s in slabs),
+        "sizes": sorted(s.size for s in slabs),
+    }
+
+
 def main() -> None:
     import vllm_compat  # as in a worker: the adapters speculators' import needs
 
@@ -136,17 +150,19 @@ def main() -> None:
         elif cmd["op"] == "speculators":
             answer = speculators_reply(cmd)
         elif cmd["op"] == "slabs":
-            slabs = list(capture.SLABS.slabs)
-            answer = {
-                "slabs": len(slabs),
-                "free": sum(s.is_free() for s in slabs),
-                "busy": sum(s.busy for s in slabs),
-                "pinned_bytes": capture.SLABS.pinned_bytes(),
-            }
+            answer = slabs_answer(capture.SLABS)
+        elif cmd["op"] == "wait_slabs":  # the slabs closed by a thread (a release the caller said) are gone
+            deadline = time.monotonic() + cmd["seconds"]
+            while len(capture.SLABS.slabs) > cmd["at_most"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for closer in capture.SLABS.closers:
+                closer.join()
+            answer = slabs_answer(capture.SLABS)
         elif cmd["op"] == "prepare":  # what per-request-capture does at setup (made ahead by a thread)
             capture.SLABS.prepare(cmd["size"], None)
-            capture.SLABS.maker.join()
-            answer = {"slabs": len(capture.SLABS.slabs)}
+            if capture.SLABS.maker is not None:
+                capture.SLABS.maker.join()
+            answer = {"slabs": len(capture.SLABS.slabs), "sizes": [s.size for s in capture.SLABS.slabs]}
         elif cmd["op"] == "join_maker":  # wait for a spare being made, so that the next call's stats are certain
             if capture.SLABS.maker is not None:
                 capture.SLABS.maker.join()

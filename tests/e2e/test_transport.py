@@ -26,9 +26,11 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests.e2e.memcg import memory_cgroup  # noqa: E402
 from tests.e2e.standin_worker import DECODE_MARKER, states  # noqa: E402
 from vllm_compat import transport  # noqa: E402
 from vllm_compat.transport.caller import _MAPS as MAPS  # noqa: E402
+from vllm_compat.transport.slabs import OVERSIZE, RECENT_CALLS  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -128,6 +130,10 @@ def same(a, b) -> bool:
 def expected_samples(plan, seed=1) -> list:
     per = expected_per_request(plan, seed)
     return [per[rid] for rid, _ in plan]
+
+
+def expected_samples_of(plan, seed: int, hidden: int) -> list:
+    return [states(seed, i, n, LAYERS, hidden, DTYPE) for i, (_, n) in enumerate(plan)]
 
 
 # A call whose rows come in the runner's order, not the input order: requests reordered, the first prompt split over
@@ -298,6 +304,90 @@ def test_calls_whose_results_are_dropped_reuse_one_slab(worker: Worker) -> None:
         )
     slabs = worker.ask(op="slabs")
     assert slabs["slabs"] <= 1 + transport.MOST_SPARES and slabs["free"] == slabs["slabs"], slabs
+
+
+MIB = 1 << 20
+
+
+def call_bytes(plan, hidden: int) -> int:
+    return sum(n for _, n in plan) * LAYERS * hidden * 2
+
+
+def test_slabs_made_ahead_fit_a_container_memory_limit(tmp_path: Path) -> None:
+    """Issue 33: before its first call the worker made three slabs for the largest call the scheduler allows (2 GiB
+    each for a 256-hidden, 4-layer model at 16k tokens); under a 4 GiB container limit it was OOM-killed. Here the
+    stand-in worker's estimate is 2 GiB under a 768 MiB limit: what is made ahead stays within the room there is,
+    and calls of the size that really comes run and come back right."""
+    limit = 768 * MIB
+    with memory_cgroup(limit) as cgroup:
+        if cgroup is None:
+            pytest.skip("no memory cgroup can be made here (needs root and a writable cgroup file system)")
+        w = Worker(tmp_path)
+        try:
+            cgroup.add(w.pid)
+            made = w.ask(op="prepare", size=2048 * MIB)
+            assert made["slabs"] >= 1 and sum(made["sizes"]) <= limit // 2, made
+            plan = plan_of([300, 200])
+            for seed in range(1, 4):
+                answer, out = w.call(plan, one_step(plan), seed=seed, hidden=4096)
+                assert answer.get("ok"), answer
+                got = speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1")
+                assert same(got, expected_samples_of(plan, seed, 4096)), seed
+                del got
+            assert w.proc.poll() is None and cgroup.oom_kills() == 0
+        finally:
+            w.close()
+
+
+def test_a_slab_made_for_an_estimate_goes_once_calls_are_smaller(worker: Worker) -> None:
+    """Issue 33: docs/limits.md said start-up-sized slabs go once calls are smaller; they stayed as spares for the
+    generator's life (6 GiB for 11 MiB calls)."""
+    made = worker.ask(op="prepare", size=256 * MIB)
+    assert made["slabs"] == 1 + transport.MOST_SPARES and min(made["sizes"]) >= 256 * MIB, made
+    plan = plan_of([300, 200])
+    for seed in range(1, 5):
+        answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=4096)
+        assert answer.get("ok"), answer
+        speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1")  # copied and dropped, as in a loop
+        worker.ask(op="join_maker")
+    rest = worker.ask(op="wait_slabs", at_most=1 + transport.MOST_SPARES, seconds=5)
+    bound = (1 + transport.MOST_SPARES) * OVERSIZE * call_bytes(plan, 4096) + 3 * 2 * MIB
+    kept, each = rest["bytes"] / MIB, call_bytes(plan, 4096) / MIB
+    assert rest["bytes"] <= bound, f"{kept:.0f} MiB kept at rest after {each:.0f} MiB calls ({rest})"
+
+
+def test_spares_shrink_when_calls_get_smaller(worker: Worker) -> None:
+    """Spares follow the last calls, not the largest call ever: a long job whose first batches were its longest does
+    not keep their slabs."""
+    large, small = plan_of([2048, 2048]), plan_of([128, 64])
+    for seed in range(1, 4):
+        _, out = worker.call(large, one_step(large), seed=seed, hidden=4096)
+        speculators_copy(pickle.loads(out.read_bytes()), large, "0.4.0.1")
+    for seed in range(RECENT_CALLS + 2):
+        _, out = worker.call(small, one_step(small), seed=seed, hidden=4096)
+        assert same(speculators_copy(pickle.loads(out.read_bytes()), small, "0.4.0.1"),
+                    expected_samples_of(small, seed, 4096))  # fmt: skip
+        worker.ask(op="join_maker")
+    rest = worker.ask(op="wait_slabs", at_most=1 + transport.MOST_SPARES, seconds=5)
+    bound = (1 + transport.MOST_SPARES) * OVERSIZE * call_bytes(small, 4096) + 3 * 2 * MIB
+    kept, each = rest["bytes"] / MIB, call_bytes(small, 4096) / MIB
+    assert rest["bytes"] <= bound, f"{kept:.0f} MiB kept for {each:.1f} MiB calls ({rest})"
+
+
+def test_dropped_results_go_back_without_another_call(worker: Worker) -> None:
+    """Issue 33: after a caller dropped 200 held calls, the worker kept their 201 slabs until its next call (and under
+    a memory limit that call failed in the forward, before the slabs went). The caller now tells the worker."""
+    plan = plan_of([200, 100])
+    held = []
+    for seed in range(1, 21):
+        _, out = worker.call(plan, one_step(plan), seed=seed, hidden=1024)
+        held.append(speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1"))
+    assert worker.ask(op="slabs")["slabs"] >= 20
+    assert same(held[7], expected_samples_of(plan, 8, 1024))
+    del held
+    gc.collect()
+    rest = worker.ask(op="wait_slabs", at_most=1 + transport.MOST_SPARES, seconds=5)
+    assert rest["slabs"] <= 1 + transport.MOST_SPARES, f"{rest['slabs']} slabs kept after every result was dropped"
 
 
 def test_fork_gives_the_child_a_snapshot(worker: Worker) -> None:

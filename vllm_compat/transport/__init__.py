@@ -55,7 +55,7 @@ from vllm_compat.transport.layout import (
     slot_view,
 )
 from vllm_compat.transport.slabs import MOST_SPARES, Slab, Slabs, piece_ranges, record_stats, worker_stats
-from vllm_compat.transport.wire import StatesHandle, forget_workers, receiver_address, send_slab
+from vllm_compat.transport.wire import StatesHandle, forget_workers, receiver_address, send_slab, when_released
 
 __all__ = [
     "ENV_MODE",
@@ -78,6 +78,7 @@ __all__ = [
     "record_stats",
     "send_slab",
     "slot_view",
+    "when_released",
     "worker_stats",
 ]
 

@@ -51,18 +51,21 @@ _MAPS = _Maps()
 
 class _Lease:
     """This process's hold on one slab: a descriptor of its own with a shared lock on it, open while any mapping of the
-    slab lives (every mapping's finalizer holds the lease)."""
+    slab lives (every mapping's finalizer holds the lease). When it goes, the worker that made the slab is told."""
 
     __slots__ = ("__weakref__", "fd")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, token: str, serial: int) -> None:
         self.fd = fd
-        weakref.finalize(self, _close_quietly, fd).atexit = False
+        weakref.finalize(self, _let_go, fd, token, serial).atexit = False
 
 
-def _close_quietly(fd: int) -> None:
+def _let_go(fd: int, token: str, serial: int) -> None:
+    """Close the lease's descriptor (its lock goes with it, unless a forked child still holds the description), then
+    tell the worker, which closes the slab now if it keeps no spare of that size."""
     with contextlib.suppress(OSError):
         os.close(fd)
+    wire.tell_released(token, serial)
 
 
 def _map_private(lease: _Lease, offset: int, nbytes: int) -> tuple[Any, int]:
@@ -140,7 +143,7 @@ def open_states(token: str, pid: int, serial: int, size: int, spec: Any, pieces:
         os.close(fd)
         raise
     os.close(fd)
-    lease = _Lease(own)
+    lease = _Lease(own, token, serial)
     fcntl.flock(own, fcntl.LOCK_SH)  # the worker leaves the slab alone while any process holds this
     handed = handed_over_type()
     if not size:

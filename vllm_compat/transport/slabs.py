@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +53,8 @@ class Slab:
         self.piece, self.device = piece, device  # piece: registered with CUDA in pieces of this size (0: pageable)
         self.busy = False  # taken by a call whose states are being written
         self.handed = False  # handed over, and maybe still mapped by the generator's process
+        self.call = 0  # the number of the call that took it last (Slabs.takes then)
+        self.serial = 0  # the hand-over it was sent in last (the channel's serial)
 
     @property
     def pinned(self) -> bool:
@@ -248,15 +251,74 @@ def _pinned_limit() -> int:
 
 
 MOST_SPARES = 2  # free slabs kept ready at most (see Slabs.spares)
+RECENT_CALLS = 16  # spares are sized for the largest of the last this many calls: they shrink when calls do
+OVERSIZE = 2  # a free slab more than this many times the largest recent call is closed, not kept as a spare
+MEMORY_SHARE = 4  # slabs made ahead (at start, and spares) take at most 1/this of the memory still available
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take before the host or its memory cgroup runs out, or None where neither says.
+
+    The smaller of the host's ``MemAvailable`` and the cgroup's limit less what it holds, its reclaimable page cache
+    (``inactive_file``) not counted as held: cgroup v2 (``memory.max``) or v1 (``memory.limit_in_bytes``). A slab is
+    shared memory charged to the worker's cgroup, so a container's limit is what a worker must stay under."""
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    with contextlib.suppress(OSError, ValueError):
+        room = _cgroup_room()
+        if room is not None:
+            found.append(room)
+    return min(found) if found else None
+
+
+def _cgroup_room() -> int | None:
+    """The room left under the memory limit of this process's cgroup (v2, or v1's memory controller), None where no
+    limit is set or none can be read. In a cgroup namespace the process's own cgroup is the root of the mount."""
+    with open("/proc/self/cgroup") as f:
+        entries = [line.rstrip("\n").split(":", 2) for line in f]
+    for _id, controllers, path in entries:
+        if controllers == "":  # v2 (mounted alone, or beside v1 as "unified")
+            bases = ("/sys/fs/cgroup", "/sys/fs/cgroup/unified")
+            files = ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1
+            bases = ("/sys/fs/cgroup/memory",)
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        for base in bases:
+            for folder in (os.path.join(base, path.lstrip("/")), base):
+                if os.path.exists(os.path.join(folder, files[0])):
+                    return _room_in(folder, *files)
+    return None
+
+
+def _room_in(folder: str, limit_file: str, usage_file: str, inactive: str) -> int | None:
+    with open(os.path.join(folder, limit_file)) as f:
+        text = f.read().strip()
+    if text == "max" or int(text) >= 1 << 60:
+        return None  # no limit here
+    with open(os.path.join(folder, usage_file)) as f:
+        used = int(f.read())
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, "memory.stat")) as f:
+        for line in f:
+            key, _, value = line.partition(" ")
+            if key == inactive:
+                used -= int(value)
+    return max(int(text) - used, 0)
 
 
 class Slabs:
     """A worker's slabs: a call takes the smallest free one that fits, and a thread keeps spares ready.
 
-    Host memory: the slabs the generator's process still maps (its live results, exactly as large as ordinary
-    tensors holding them would be) plus at most ``MOST_SPARES`` free ones (one where making a slab takes less time
-    than a call: see ``spares``). Pinned memory: at most ``_pinned_limit()``; slabs beyond it stay pageable (copies
-    into them are synchronous, slower).
+    Host memory: the slabs the generator's process still maps (a slab per call whose results are alive there) plus
+    at most ``MOST_SPARES`` free ones (one where making a slab takes less time than a call: see ``spares``), each
+    between the largest of the last ``RECENT_CALLS`` calls and ``OVERSIZE`` times it. Before the first call, one slab
+    for the estimated first call and spares, all within ``1/MEMORY_SHARE`` of the memory available. A slab the caller
+    lets go of is found free when the caller says so (``reclaim``), not at the next call. Pinned memory: at most
+    ``_pinned_limit()``; slabs beyond it stay pageable (copies into them are synchronous, slower).
     """
 
     def __init__(self) -> None:
@@ -264,7 +326,9 @@ class Slabs:
         self.lock = threading.Lock()
         self.maker: threading.Thread | None = None
         self.device: int | None = None
-        self.expected = 0  # the size spares are made for: the largest call so far
+        self.estimate = 0  # the first call's size as guessed before it (prepare)
+        self.recent: deque[int] = deque(maxlen=RECENT_CALLS)  # the sizes of the last calls
+        self.takes = 0  # calls that took a slab so far
         self.limit: int | None = None
         self.warned_unpinned = False
         self.closers: list[threading.Thread] = []
@@ -307,12 +371,43 @@ class Slabs:
     def prepare(self, size: int, device: int | None) -> None:
         """Make, in a thread, the first call's slab and the spares after it (``size`` bytes each, an estimate, before
         the first call): ``results = generate(...)`` in a loop keeps one call's results while the next runs, and a
-        warm-up's kept results add one more. Later spares follow the calls actually made."""
-        self.device = device
-        if self.expected or self.slabs:
-            return
+        warm-up's kept results add one more. Later spares follow the calls actually made.
 
-        self._make_in_background(size, 1 + self.spares())
+        All of them within ``1/MEMORY_SHARE`` of the memory available now: the estimate is the largest call the
+        scheduler allows (its most sequences at the context length), 2 GiB a slab for a small model at 16k tokens,
+        and three such slabs got a worker OOM-killed under a 4 GiB container limit before its first call."""
+        self.device = device
+        if self.recent or self.slabs:
+            return
+        count = 1 + self.spares()
+        room = available_memory()
+        if room is not None:
+            budget = room // MEMORY_SHARE
+            if budget < _STEP:
+                logger.debug("states-through-shared-memory: no slab made ahead (%d bytes available)", room)
+                return
+            size = min(size, budget)
+            count = max(1, min(count, budget // _round(size)))
+        self.estimate = size
+        logger.debug("states-through-shared-memory: %d slab(s) of %d bytes made ahead (available: %s)", count, size,
+                     room)  # fmt: skip
+        self._make_in_background(size, count)
+
+    def reclaim(self, serials: list[int]) -> None:
+        """The generator's process let go of the states of hand-overs ``serials``: close the slabs that are free now
+        beyond the spares, instead of at the next call (which may never come, or fail for want of that memory)."""
+        self._retire_extra(keep=None, released=set(serials))
+
+    def _judged(self, slab: Slab, released: set[int] | None) -> bool:
+        """Whether ``slab``'s lock may be asked now. Always from a call's own take (the caller took the lock of every
+        earlier hand-over before it made this call); from a thread, only for a slab handed over before the last take
+        or one the caller said it let go of: between a hand-over and the caller taking its lock, the slab looks free
+        and is not."""
+        return released is None or not slab.handed or slab.call < self.takes or slab.serial in released
+
+    def expected(self) -> int:
+        """The size spares are made for: the largest of the last calls, or the estimate before the first."""
+        return max(self.recent) if self.recent else self.estimate
 
     def take(self, size: int) -> tuple[Slab, dict[str, Any]]:
         """A free slab of at least ``size`` bytes for one call (made now only where none is ready)."""
@@ -331,11 +426,12 @@ class Slabs:
         if slab is None:
             slab = self._make(size)
         with self.lock:
+            self.takes += 1
             self.slabs.append(slab)
-            slab.busy = True  # in use by this call until it is handed over (or given back)
-        self.expected = max(self.expected, size)
+            slab.busy, slab.call = True, self.takes  # in use by this call until it is handed over (or given back)
+        self.recent.append(size)
         self._retire_extra(keep=slab)
-        self._spares_in_background(self.expected)
+        self._spares_in_background(self.expected())
         return slab, {"waited_seconds": waited, "made_now": made, "slab_bytes": slab.size, "pinned": slab.pinned}
 
     def _take_free(self, size: int) -> Slab | None:
@@ -358,10 +454,20 @@ class Slabs:
         other, each with room for a somewhat longer call."""
         if not want or (self.maker is not None and self.maker.is_alive()) or self._ready(want) >= self.spares():
             return
-        self._make_in_background(want + want // 4, MOST_SPARES, lambda: self._ready(want) >= self.spares())
+        size, count = want + want // 4, MOST_SPARES
+        room = available_memory()
+        if room is not None and count * _round(size) > room // MEMORY_SHARE:
+            count = room // MEMORY_SHARE // _round(size)
+            if not count:  # short of memory: each call makes its own slab when it comes
+                logger.debug("states-through-shared-memory: no spare made (%d bytes available)", room)
+                return
+        self._make_in_background(size, count, lambda: self._ready(want) >= self.spares(), tidy=True)
 
-    def _make_in_background(self, size: int, count: int, enough: Callable[[], bool] = lambda: False) -> None:
-        """Start the maker thread: up to ``count`` slabs of ``size`` bytes, one after the other, until ``enough()``."""
+    def _make_in_background(
+        self, size: int, count: int, enough: Callable[[], bool] = lambda: False, tidy: bool = False
+    ) -> None:
+        """Start the maker thread: up to ``count`` slabs of ``size`` bytes, one after the other, until ``enough()``;
+        then, where ``tidy``, close the free slabs the new ones replace."""
 
         def run() -> None:
             for _ in range(count):
@@ -374,18 +480,25 @@ class Slabs:
                     return
                 with self.lock:
                     self.slabs.append(slab)
+            if tidy:
+                self._retire_extra(keep=None, released=set())  # spares ready: a larger free slab they replace can go
 
         self.maker = threading.Thread(target=run, name="vllm_compat_slab", daemon=True)
         self.maker.start()
 
-    def _retire_extra(self, keep: Slab) -> None:
-        """Close free slabs but the spares: the smallest that fit the largest call so far. Memory the caller gave back
-        goes back, and a slab made for an estimate goes once the calls are known to be smaller. Closed in a thread:
-        unregistering from CUDA is not for the call that is starting."""
+    def _retire_extra(self, keep: Slab | None, released: set[int] | None = None) -> None:
+        """Close free slabs but the spares: the smallest that fit the largest recent call and are at most ``OVERSIZE``
+        times it (a larger one stands in only until spares of the right size are ready). Memory the caller gave back
+        goes back, and a slab made for an estimate, or for calls larger than today's, goes once the calls are known
+        to be smaller. Closed in a thread: unregistering from CUDA is not for the call that is starting. ``released``:
+        from a thread, the hand-overs the caller said it let go of (see ``_judged``); None from a call's take."""
         with self.lock:
-            free = sorted((s for s in self.slabs if s is not keep and s.is_free()), key=lambda s: s.size)
-            fitting = [s for s in free if s.size >= self.expected]
-            spares = fitting[: self.spares()] if fitting else free[-1:]
+            expected = self.expected()
+            candidates = [s for s in self.slabs if s is not keep and self._judged(s, released)]
+            free = sorted((s for s in candidates if s.is_free()), key=lambda s: s.size)
+            fitting = [s for s in free if s.size >= expected]
+            right = [s for s in fitting if s.size <= OVERSIZE * expected]
+            spares = (right + [s for s in fitting if s not in right])[: self.spares()]
             extra = [s for s in free if s not in spares]
             for slab in extra:
                 self.slabs.remove(slab)

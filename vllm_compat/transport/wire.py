@@ -19,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm_compat.transport.layout import ENV_SOCKET, TransportError
@@ -28,6 +29,7 @@ logger = logging.getLogger("vllm_compat")
 _HELLO = struct.Struct("<4s32sI32s")  # magic, worker token (hex), worker pid, the receiver's key (hex)
 _MAGIC = b"VCS2"
 _HEADER = struct.Struct("<QQ")  # serial, size: sent with each slab's descriptor
+_RELEASED = struct.Struct("<Q")  # serial: sent back when the generator's process lets go of that hand-over's slab
 _RECV_TIMEOUT = 30.0
 _HELLO_TIMEOUT = 2.0  # a connection that has not said who it is by then is closed (a worker says it as it connects)
 
@@ -46,16 +48,49 @@ class _Channel:
             self.sock.close()
             raise
         self.lock = threading.Lock()
+        threading.Thread(target=self._listen, name="vllm_compat_released", daemon=True).start()
 
-    def send(self, size: int, fd: int) -> int:
-        """Pass ``fd`` over; the hand-over's serial number."""
+    def _listen(self) -> None:
+        """Read what the generator's process says back (the serial of each hand-over whose states it let go of) and
+        have the worker's slabs looked at then, not at the next call: memory the caller dropped goes back when it
+        drops it."""
+        pending = b""
+        while True:
+            try:
+                said = self.sock.recv(4096)  # several releases read at once are looked at once
+            except OSError:
+                return
+            if not said:
+                return  # the generator's process closed the connection
+            pending += said
+            whole = len(pending) - len(pending) % _RELEASED.size
+            serials = [s for (s,) in _RELEASED.iter_unpack(pending[:whole])]
+            pending = pending[whole:]
+            for callback in list(_ON_RELEASE):
+                try:
+                    callback(serials)
+                except Exception as exc:  # a release found late is only memory held longer
+                    logger.debug("states-through-shared-memory: looking at released slabs failed (%r)", exc)
+
+    def send(self, size: int, fd: int, slab: Any) -> int:
+        """Pass ``slab``'s descriptor ``fd`` over; the hand-over's serial number (the slab is told it first: the
+        caller may let go of the states before this returns)."""
         with self.lock:
             self.serial += 1
+            slab.serial = self.serial
             socket.send_fds(self.sock, [_HEADER.pack(self.serial, size)], [fd])
             return self.serial
 
 
 _CHANNEL: list[_Channel | None] = []
+_ON_RELEASE: list[Callable[[list[int]], None]] = []
+
+
+def when_released(callback: Callable[[list[int]], None]) -> None:
+    """Call ``callback(serials)`` (in the worker, from the channel's thread) whenever the generator's process lets go
+    of the states of hand-overs ``serials`` of this worker."""
+    if callback not in _ON_RELEASE:
+        _ON_RELEASE.append(callback)
 
 
 def _channel() -> _Channel | None:
@@ -86,7 +121,7 @@ def send_slab(slab: Any, used: int, spec: Any, pieces: list[tuple[int, int]]) ->
         return None
     slab.handed, slab.busy = True, False  # from now on, the generator's process's lock says when it is free
     try:
-        serial = channel.send(used, slab.fd)
+        serial = channel.send(used, slab.fd, slab)
     except OSError as exc:
         raise TransportError(f"cannot pass the states' descriptor to the generator's process ({exc})") from exc
     return StatesHandle(channel.token, os.getpid(), serial, used, spec, pieces)
@@ -307,6 +342,17 @@ _RECEIVER_LOCK = threading.Lock()
 def current_receiver() -> _Receiver | None:
     """This process's receiving socket, where it made one (a forked child has none of its parent's)."""
     return _RECEIVER[0] if _RECEIVER and _RECEIVER[0].pid == os.getpid() else None
+
+
+def tell_released(token: str, serial: int) -> None:
+    """Tell worker ``token`` that this process let go of hand-over ``serial``'s slab (its lock is gone), never waiting.
+    Called from a finalizer, in whatever thread drops the last tensor: it takes no lock, and a message that cannot be
+    sent now only leaves the slab to be found free at the worker's next call."""
+    receiver = current_receiver()
+    conn = receiver.conns.get(token) if receiver is not None else None
+    if conn is not None:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(_RELEASED.pack(serial), socket.MSG_DONTWAIT)
 
 
 def forget_workers(pids: set[int]) -> None:
