@@ -390,6 +390,34 @@ def test_dropped_results_go_back_without_another_call(worker: Worker) -> None:
     assert rest["slabs"] <= 1 + transport.MOST_SPARES, f"{rest['slabs']} slabs kept after every result was dropped"
 
 
+def test_a_thousand_held_calls_under_a_descriptor_limit_of_1024(tmp_path: Path) -> None:
+    """Issue 33: each call whose results the caller kept held one descriptor in the caller (and one in the worker):
+    with ``ulimit -n 1024`` (the usual soft limit; the hard one above it) call 938 failed with ``[Errno 24] Too many
+    open files``. The caller now holds none for them; the worker raises its own soft limit to the hard one."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2048:
+        pytest.skip(f"the hard descriptor limit here is {hard}: no room above a soft limit of 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    w = None
+    try:
+        w = Worker(tmp_path)
+        plan = plan_of([3, 2])
+        kept = []
+        for seed in range(1, 1101):
+            answer, out = w.call(plan, one_step(plan), seed=seed)
+            assert answer.get("ok"), (seed, answer)
+            kept.append(speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1"))
+            out.unlink()
+        assert same(kept[0], expected_samples(plan, 1)) and same(kept[-1], expected_samples(plan, 1100))
+        assert len(os.listdir("/proc/self/fd")) < 100, "the kept calls hold no descriptor in the caller"
+    finally:
+        if w is not None:
+            w.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_fork_gives_the_child_a_snapshot(worker: Worker) -> None:
     """The audit of 0.1.0: a forked child that dropped its copy freed the parent's segment, and the next call
     overwrote it."""

@@ -50,21 +50,35 @@ _MAPS = _Maps()
 
 
 class _Lease:
-    """This process's hold on one slab: a descriptor of its own with a shared lock on it, open while any mapping of the
-    slab lives (every mapping's finalizer holds the lease). When it goes, the worker that made the slab is told."""
+    """This process's hold on one slab: an open file description of its own with a shared lock on it, alive while any
+    mapping of the slab lives (every mapping's finalizer holds the lease). When it goes, the worker is told.
+
+    The descriptor itself is closed as soon as the slab is mapped (``mapped``): a mapping holds the open file, and a
+    lock taken on an open file lasts until the file's last reference goes, so the lock stays exactly as long as the
+    mapping (or a forked child's copy of it). A caller keeping a thousand calls' results then holds no descriptor for
+    them: with ``ulimit -n 1024`` the caller failed at about call 938 when each lease kept one."""
 
     __slots__ = ("__weakref__", "fd")
 
     def __init__(self, fd: int, token: str, serial: int) -> None:
-        self.fd = fd
-        weakref.finalize(self, _let_go, fd, token, serial).atexit = False
+        self.fd = [fd]  # shared with the finalizer: -1 once closed
+        weakref.finalize(self, _let_go, self.fd, token, serial).atexit = False
+
+    def mapped(self) -> None:
+        """The slab is mapped (or there is nothing to map): the descriptor can go, the lock stays with the mapping."""
+        fd, self.fd[0] = self.fd[0], -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-def _let_go(fd: int, token: str, serial: int) -> None:
-    """Close the lease's descriptor (its lock goes with it, unless a forked child still holds the description), then
-    tell the worker, which closes the slab now if it keeps no spare of that size."""
-    with contextlib.suppress(OSError):
-        os.close(fd)
+def _let_go(fd: list[int], token: str, serial: int) -> None:
+    """The last mapping is gone (and with it this process's lock, unless a forked child still maps the slab): tell the
+    worker, which closes the slab now if it keeps no spare of that size."""
+    if fd[0] >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd[0])
+        fd[0] = -1
     wire.tell_released(token, serial)
 
 
@@ -74,7 +88,7 @@ def _map_private(lease: _Lease, offset: int, nbytes: int) -> tuple[Any, int]:
     libc = _libc()
     start = offset - offset % _PAGE
     span = offset + nbytes - start
-    addr = libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, lease.fd, start)
+    addr = libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, lease.fd[0], start)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {span} bytes failed: {os.strerror(err)}")
@@ -150,6 +164,7 @@ def open_states(token: str, pid: int, serial: int, size: int, spec: Any, pieces:
         block = torch.empty(0, dtype=torch.uint8)
     else:
         buffer = _map_private(lease, 0, size)[0]
+        lease.mapped()
         start = ctypes.addressof(buffer)
         copies = _copy_ahead(buffer, pieces) if copy_mode() else None
         _SOURCES.add(start, start + size, buffer, copies)

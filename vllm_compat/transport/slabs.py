@@ -236,6 +236,22 @@ def _unregister(addresses: list[int], device: int | None) -> None:
             cudart.cudaHostUnregister(address)
 
 
+def _raise_descriptor_limit() -> None:
+    """Let this worker open as many descriptors as its hard limit allows: each slab whose states the caller keeps
+    holds one here, and a soft limit of 1024 (a common default) stopped a caller keeping every result at about call
+    938. vLLM raises the same limit in its own server processes."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))  # the hard limit stays as it was
+            logger.debug("states-through-shared-memory: descriptor limit raised from %d to %d", soft, target)
+    except (ImportError, ValueError, OSError) as exc:
+        logger.debug("states-through-shared-memory: descriptor limit left as it is (%r)", exc)
+
+
 def _pinned_limit() -> int:
     """The most slab memory one worker registers with CUDA: VLLM_COMPAT_PINNED_LIMIT_GIB, else a quarter of RAM."""
     value = os.environ.get(ENV_PINNED_LIMIT, "").strip()
@@ -352,6 +368,7 @@ class Slabs:
     def _make(self, size: int, background: bool = False) -> Slab:
         if self.limit is None:
             self.limit = _pinned_limit()
+            _raise_descriptor_limit()
         pin = self.device is not None and self.pinned_bytes() + _round(size) <= self.limit
         if self.device is not None and not pin and not self.warned_unpinned:
             self.warned_unpinned = True
