@@ -202,6 +202,72 @@ def runner_info(worker=None) -> dict:
     }
 
 
+STEP_METHODS = ("execute_model", "sample_tokens")  # what a worker's model runner does in one engine step
+
+
+def install_step_timer(worker=None) -> bool:
+    """In a worker: time every engine step its model runner runs, on the device (the same instrument for every side:
+    a breakdown of a call beside plain prefill's). On CUDA a pair of events on the current stream around each call
+    of ``execute_model`` and ``sample_tokens``: the device time of the step's work, not when Python returned (Model
+    Runner V2 returns before its work is done). Elsewhere the wall time of the call (a CPU runs it synchronously).
+    Installed once; ``read_step_timer`` reads and clears it after a call."""
+    import time as _time
+
+    import torch
+
+    runner = getattr(worker, "model_runner", None)
+    if runner is None or getattr(runner, "_bench_steps", None) is not None:
+        return runner is not None
+    runner._bench_steps = []
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    for method in STEP_METHODS:
+        original = getattr(runner, method, None)
+        if original is None:
+            continue
+
+        def timed(*a, _original=original, _method=method, **kw):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                began = _time.perf_counter()
+                try:
+                    return _original(*a, **kw)
+                finally:
+                    end.record()
+                    runner._bench_steps.append((_method, start, end, _time.perf_counter() - began))
+            began = _time.perf_counter()
+            try:
+                return _original(*a, **kw)
+            finally:
+                spent = _time.perf_counter() - began
+                runner._bench_steps.append((_method, spent, None, spent))
+
+        setattr(runner, method, timed)
+    return True
+
+
+def read_step_timer(worker=None) -> dict | None:
+    """In a worker, after a call: its engine steps (``execute_model`` calls), the device seconds of their work and of
+    ``sample_tokens``, and the host seconds spent inside those calls; cleared for the next call."""
+    import torch
+
+    runner = getattr(worker, "model_runner", None)
+    steps = getattr(runner, "_bench_steps", None)
+    if steps is None:
+        return None
+    if steps and not isinstance(steps[0][1], float):
+        torch.cuda.synchronize()
+    out = {"steps": 0, "samples": 0, "execute_seconds": 0.0, "sample_seconds": 0.0, "host_seconds": 0.0}
+    for method, start, end, host in steps:
+        device = start if end is None else start.elapsed_time(end) / 1000.0
+        execute = method == "execute_model"
+        out["steps" if execute else "samples"] += 1
+        out["execute_seconds" if execute else "sample_seconds"] += device
+        out["host_seconds"] += host
+    steps.clear()
+    return out
+
+
 def pickle_by_value(module_name: str) -> None:
     """Send this module's functions to vLLM's workers by value: a worker need not import this package."""
     try:

@@ -20,11 +20,13 @@ from .common import (
     ROOT,
     Partial,
     Rounds,
+    install_step_timer,
     load_project_file,
     log,
     memory_report,
     pickle_by_value,
     prompt_calls,
+    read_step_timer,
     reset_peak,
     runner_info,
     save_sample,
@@ -58,6 +60,7 @@ class CallTiming:
         self.marks: dict[str, float] = {}  # when each RPC returned
         self.phases: dict[str, float] = {}
         self.steps: list[list[int]] = []  # per step: [sequences, tokens]
+        self.first_step: float | None = None  # when the call's first engine step was sent
         executor = generator.executor
         self.original_rpc = executor.collective_rpc
 
@@ -81,6 +84,8 @@ class CallTiming:
         """A step the engine runs: its sequences and tokens (the scheduler also plans one that never runs)."""
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         if scheduled:
+            if self.first_step is None:
+                self.first_step = time.perf_counter()
             self.steps.append([len(scheduled), int(sum(scheduled.values()))])
 
     def _time(self, owner, name: str, first=None) -> None:
@@ -102,6 +107,7 @@ class CallTiming:
         self.marks.clear()
         self.phases.clear()
         self.steps = []
+        self.first_step = None
 
 
 def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Partial) -> dict:
@@ -127,6 +133,7 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
     timing = CallTiming(generator)
     rpc = timing.original_rpc  # the bench's own RPCs, outside the timings
     runner = rpc(runner_info)[0]
+    rpc(install_step_timer)
     result = partial.result
     result |= {
         "init_seconds": time.perf_counter() - t0,
@@ -160,9 +167,12 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
             "collect_seconds": timing.rpc.get("_get_captured_states", 0.0),
             # after the states arrived: speculators copies them out (``.clone().cpu()``) and empties the CUDA cache
             "after_seconds": end - timing.marks.get("_get_captured_states", end),
+            # before the first engine step: speculators builds and adds its requests, the capture's plan is sent
+            "before_seconds": (timing.first_step or end) - start,
             "phases": dict(timing.phases),
             "steps": timing.steps,
             "handover": (rpc(handover_stats) or [None])[0],
+            "worker_steps": rpc(read_step_timer)[0],
         }
         return results, entry
 

@@ -12,7 +12,18 @@ import argparse
 import time
 from pathlib import Path
 
-from .common import Partial, Rounds, log, memory_report, prompt_calls, reset_peak, runner_info, tokens_of
+from .common import (
+    Partial,
+    Rounds,
+    install_step_timer,
+    log,
+    memory_report,
+    prompt_calls,
+    read_step_timer,
+    reset_peak,
+    runner_info,
+    tokens_of,
+)
 
 
 def engine_kwargs(args: argparse.Namespace, engine: dict) -> dict:
@@ -65,6 +76,7 @@ def side_prefill(args: argparse.Namespace, out: Path, extra: dict, partial: Part
         "torch": torch.__version__,
     }
     log(out, name, f"LLM ready in {result['init_seconds']:.1f}s; {result['runner']}")
+    llm.collective_rpc(install_step_timer)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     calls = prompt_calls(args)
 
@@ -74,7 +86,7 @@ def side_prefill(args: argparse.Namespace, out: Path, extra: dict, partial: Part
         elapsed = time.perf_counter() - start
         if len(outputs) != len(call):
             raise RuntimeError(f"generate() returned {len(outputs)} outputs for {len(call)} prompts")
-        return {"seconds": elapsed}
+        return {"seconds": elapsed, "worker_steps": llm.collective_rpc(read_step_timer)[0]}
 
     try:
         for i in range(args.warmup_calls):

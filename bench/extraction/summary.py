@@ -229,6 +229,8 @@ def render(report: dict) -> str:
     for runner in groups(report):
         lines += ["", f"## Every timed call, seconds{f' (model runner {runner})' if runner else ''}", ""]
         lines += call_table(report, runner)
+        lines += ["", f"## Where a call's time goes, median calls{f' (model runner {runner})' if runner else ''}", ""]
+        lines += breakdown_table(report, runner)
     lines += ["", "## Memory (the model's process)", ""]
     lines += memory_table(numbers)
     lines += ["", "## States check", ""]
@@ -408,6 +410,74 @@ def call_table(report: dict, runner: str | None) -> list[str]:
                     fmt(h.get("pinned")),
                 ]
             lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+# (label, what it is) of the breakdown's rows; every value a median over the timed calls, seconds unless said
+BREAKDOWN_ROWS = (
+    ("call", "the call, as its caller timed it"),
+    ("steps", "execute_model calls the worker ran in the call (count; empty steps included)"),
+    ("device", "the device's work in those steps: forward (execute_model) and sampling (sample_tokens)"),
+    ("host_in_steps", "the worker's time inside those calls (launches; the work itself on a CPU)"),
+    ("outside_device", "the call less the device's work: scheduling, RPCs, Python on both sides"),
+    ("before", "extract: from generate() to the first engine step (speculators builds and adds its requests)"),
+    ("collect", "extract: the RPC that hands the states over (with steps in flight, it waits for the last steps)"),
+    ("handover", "extract: the hand-over's time left exposed after the last step (in the worker)"),
+    ("overlapped", "extract: the capture's copies during the steps (in the worker, overlapped with them)"),
+    ("after", "extract: after the states arrived (speculators' .clone().cpu() and empty_cache)"),
+)
+
+
+def call_breakdown(call: dict) -> dict[str, float | None]:
+    """One timed call's breakdown (see BREAKDOWN_ROWS); None where the side does not measure it."""
+    steps = call.get("worker_steps") or {}
+    handover = call.get("handover") or {}
+    device = (steps.get("execute_seconds", 0.0) + steps.get("sample_seconds", 0.0)) if steps else None
+    return {
+        "call": call.get("seconds"),
+        "steps": steps.get("steps") if steps else None,
+        "device": device,
+        "host_in_steps": steps.get("host_seconds") if steps else None,
+        "outside_device": call["seconds"] - device if device is not None else None,
+        "before": call.get("before_seconds"),
+        "collect": call.get("collect_seconds"),
+        "handover": handover.get("seconds") if isinstance(handover.get("seconds"), (int, float)) else None,
+        "overlapped": handover.get("overlapped_seconds"),
+        "after": call.get("after_seconds"),
+    }
+
+
+def breakdown_medians(result: dict) -> dict[str, float | None]:
+    """Each breakdown row's median over a side's timed calls."""
+    calls = [call_breakdown(c) for r in result["rounds"] for c in r["calls"]]
+    out: dict[str, float | None] = {}
+    for key, _ in BREAKDOWN_ROWS:
+        values = [c[key] for c in calls if isinstance(c[key], (int, float))]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def breakdown_table(report: dict, runner: str | None) -> list[str]:
+    """Extract and prefill side by side: where a call's time goes, and the difference per row."""
+    sides = report["sides"]
+    e, p = side_name("extract", runner), side_name("prefill", runner)
+    names = [n for n in (e, p) if ok(sides.get(n))]
+    if not names:
+        return ["(no side with results)"]
+    medians = {n: breakdown_medians(sides[n]) for n in names}
+    both = len(names) == 2
+    head = ["row", *names, *(["extract - prefill"] if both else []), "what it is"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, what in BREAKDOWN_ROWS:
+        values = [medians[n][key] for n in names]
+        if all(v is None for v in values):
+            continue
+        spec = ".0f" if key == "steps" else ".4f"
+        row = [key, *(fmt(v, spec) for v in values)]
+        if both:
+            a, b = values
+            row.append(fmt(a - b, spec) if a is not None and b is not None else "")
+        lines.append("| " + " | ".join([*row, what]) + " |")
     return lines
 
 
