@@ -247,3 +247,154 @@ def v2_request_states(view: ApiView) -> Observation:
         "finished_req_ids removes them",
         where,
     )
+
+
+_FREEING_LOOPS = ("finished_req_ids", "preempted_req_ids")  # what a step tells the runner to forget
+
+
+def _self_call(node: ast.AST, *path: str) -> bool:
+    """Whether ``node`` is a call of ``self.<path...>(...)`` (``self.req_states.remove_request(...)``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func: ast.AST = node.func
+    for name in reversed(path):
+        if not isinstance(func, ast.Attribute) or func.attr != name:
+            return False
+        func = func.value
+    return isinstance(func, ast.Name) and func.id == "self"
+
+
+def _slot_releases(runner_tree: ast.AST) -> tuple[list[str], list[str], dict[str, int], dict[str, int]]:
+    """Where V2's runner frees and takes request slots.
+
+    Returns (the loops that free slots, named by what they iterate; frees outside such a loop; method -> line of its
+    first freeing loop; method -> line of its first ``self.req_states.add_request``). A free is
+    ``self.req_states.remove_request(...)`` or ``self._remove_request(...)``; it is accounted for inside ``for`` over
+    something named ``finished_req_ids`` or ``preempted_req_ids`` (what the scheduler output lists), inside ``for``
+    over ``scheduled_new_reqs`` (a request re-added at once: no slot changes hands), or as the body of
+    ``_remove_request`` itself.
+    """
+    loops: list[str] = []
+    stray: list[str] = []
+    frees_at: dict[str, int] = {}
+    adds_at: dict[str, int] = {}
+
+    def visit(node: ast.AST, method: str, iterating: tuple[str, ...]) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            method, iterating = node.name, ()
+        if isinstance(node, ast.For):
+            iterating = (*iterating, ast.unparse(node.iter))
+        if _self_call(node, "req_states", "add_request"):
+            adds_at.setdefault(method, node.lineno)  # type: ignore[attr-defined]
+        if _self_call(node, "req_states", "remove_request") or _self_call(node, "_remove_request"):
+            over = [it for it in iterating if any(name in it for name in _FREEING_LOOPS)]
+            if over:
+                loops.append(f"{method}: for ... in {over[-1]}")
+                frees_at.setdefault(method, node.lineno)  # type: ignore[attr-defined]
+            elif not (
+                any("scheduled_new_reqs" in it for it in iterating)
+                or (method == "_remove_request" and _self_call(node, "req_states", "remove_request"))
+            ):
+                stray.append(f"{method} (line {node.lineno} of the class)")  # type: ignore[attr-defined]
+        for child in ast.iter_child_nodes(node):
+            visit(child, method, iterating)
+
+    visit(runner_tree, "", ())
+    return loops, stray, frees_at, adds_at
+
+
+@probe(
+    "model_runner.v2_request_slots",
+    symbol=f"{V2_STATES}.add_request",
+    summary="V2 holds a fixed pool of request slots, each freed only when a step it runs lists its request as finished",
+    expected=dict.fromkeys(LINES, V2_EXPECTED),
+    accepts={key: {BASELINE, ABSENT} for key in LINES},
+)
+def v2_request_slots(view: ApiView) -> Observation:
+    """Model Runner V2 gives each request a slot from a fixed pool (``RequestState.free_indices``, ``max_num_reqs`` =
+    the scheduler's ``max_num_seqs``) when it first runs, and takes it back only when a scheduler output it executes
+    lists the request in ``finished_req_ids`` (or ``preempted_req_ids``), before that step's new requests take theirs.
+    A request the scheduler finished whose id never reaches the runner in a step keeps its slot for good, and once the
+    pool is empty ``add_request`` fails (``AssertionError: No free indices``). Model Runner V1 has no such pool (it
+    drops unscheduled requests from its batch every step). speculators 0.3.0's loop ends on a scheduler output with
+    nothing to run and never sends it, and that output carries the ids of the requests it finished after its last
+    step (``finished-ids-to-next-step`` keeps them for the next step)."""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    init = parse_source(view, f"{V2_STATES}.__init__")
+    add = parse_source(view, f"{V2_STATES}.add_request")
+    remove = parse_source(view, f"{V2_STATES}.remove_request")
+    runner = parse_source(view, V2_RUNNER)
+    execute = parse_source(view, f"{V2_RUNNER}.execute_model")
+    if None in (init, add, remove, runner, execute):
+        return Observation.unknown(
+            f"{V2_STATES} (__init__, add_request, remove_request) or {V2_RUNNER} (execute_model) is not readable"
+        )
+    assert init and add and remove and runner and execute  # for the type checker
+    pool = next(
+        (
+            ast.unparse(node.value)
+            for node in ast.walk(init[0])
+            if isinstance(node, ast.Assign)
+            and any(ast.unparse(t) == "self.free_indices" for t in node.targets)
+            and ast.unparse(node.value).startswith("list(range(")
+        ),
+        None,
+    )
+    takes = [n for n in ast.walk(add[0]) if _self_call(n, "free_indices", "pop")]
+    gives = [n for n in ast.walk(remove[0]) if _self_call(n, "free_indices", "append")]
+    loops, stray, frees_at, adds_at = _slot_releases(runner[0])
+    where = [
+        evidence(add[1], "takes a slot: self.free_indices.pop(), 'No free indices' once none is left"),
+        evidence(init[1], f"self.free_indices = {pool}" if pool else "self.free_indices"),
+    ]
+    problems = []
+    if pool is None:
+        problems.append("RequestState.__init__ sets no fixed pool self.free_indices = list(range(...))")
+    if not takes or not gives:
+        problems.append("RequestState.add_request/remove_request do not take/give back self.free_indices")
+    if not loops:
+        problems.append("the runner frees no slot in a loop over the step's finished_req_ids/preempted_req_ids")
+    if stray:
+        problems.append("the runner also frees slots elsewhere: " + ", ".join(stray))
+    order = _frees_before_adds(execute[0], frees_at, adds_at)
+    if order is None:
+        problems.append("cannot tell whether a step frees its finished requests' slots before it adds its new ones")
+    elif not order:
+        problems.append("a step adds its new requests before it frees its finished requests' slots")
+    freeing = next(iter(frees_at), "")
+    if freeing:
+        where.append(evidence(view.locate(f"{V2_RUNNER}.{freeing}"), "; ".join(dict.fromkeys(loops))))
+    if problems:
+        return Observation("changed", "; ".join(problems), tuple(where))
+    return Observation(
+        BASELINE,
+        f"a fixed pool of request slots ({pool}); a slot is freed only when a step the runner executes lists its "
+        "request in finished_req_ids or preempted_req_ids, before that step's new requests take theirs",
+        tuple(where),
+    )
+
+
+def _frees_before_adds(execute: ast.AST, frees_at: dict[str, int], adds_at: dict[str, int]) -> bool | None:
+    """Whether a step frees finished requests' slots before it adds new requests (None: cannot tell).
+
+    Either one method does both (the freeing loop comes first: 0.12's ``update_states``), or ``execute_model`` calls
+    the freeing method before the adding one (``finish_requests`` then ``add_requests``)."""
+    if not frees_at or not adds_at:
+        return None
+    for method, line in frees_at.items():
+        if method in adds_at:
+            return line < adds_at[method]
+    calls = {
+        node.func.attr: node.lineno
+        for node in sorted(ast.walk(execute), key=lambda n: getattr(n, "lineno", 0), reverse=True)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    }  # method -> line of its first call
+    free_call = [calls[m] for m in frees_at if m in calls]
+    add_call = [calls[m] for m in adds_at if m in calls]
+    if not free_call or not add_call:
+        return None
+    return min(free_call) < min(add_call)

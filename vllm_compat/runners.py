@@ -61,6 +61,7 @@ V2_FACTS: Mapping[str, frozenset[str]] = {
     "model_runner.v2_row_layout": frozenset({BASELINE}),
     "model_runner.v2_eager_forward": frozenset({BASELINE}),
     "model_runner.v2_request_states": frozenset({BASELINE}),
+    "model_runner.v2_request_slots": frozenset({BASELINE}),  # slots freed by the finished ids a step carries
 }
 FACTS = {"v1": V1_FACTS, "v2": V2_FACTS}
 RELATED = frozenset({RUNNER_PROBE, *V1_FACTS, *V2_FACTS})  # a choice needs all of them observed

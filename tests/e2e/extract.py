@@ -93,6 +93,7 @@ def main() -> int:
             "max_num_batched_tokens": generator.vllm_config.scheduler_config.max_num_batched_tokens,
             "block_hasher": getattr(generator, "block_hasher", None) is not None,
             "steps_in_flight": _steps_in_flight(generator.executor),
+            "request_counter": getattr(generator, "_request_counter", None),  # the next call's: req_{counter}_{i}
             "status": status,
             "workers": workers,
             "worker_extension_cls": generator.vllm_config.parallel_config.worker_extension_cls,
@@ -134,7 +135,22 @@ def _worker_report(worker) -> dict:
     extensions = sorted({f"{c.__module__}.{c.__qualname__}" for c in classes if "WorkerExtension" in c.__name__})
     runner = getattr(worker, "model_runner", None) or getattr(inner, "model_runner", None)
     runner_classes = [f"{c.__module__}.{c.__qualname__}" for c in type(runner).__mro__] if runner is not None else []
-    return {**vllm_compat.status(), "extensions": extensions, "env": scoped_variables(), "runner": runner_classes}
+    return {
+        **vllm_compat.status(),
+        "extensions": extensions,
+        "env": scoped_variables(),
+        "runner": runner_classes,
+        "requests_held": _requests_held(runner),
+    }
+
+
+def _requests_held(runner) -> list[str] | None:
+    """The ids of the requests the model runner still keeps state for: Model Runner V2's request slots
+    (``req_states.req_id_to_index``), V1's cached request states (``requests``); None where it has neither. A request
+    is dropped only when a step the runner runs lists it as finished."""
+    states = getattr(runner, "req_states", None)
+    held = getattr(states, "req_id_to_index", None) if states is not None else getattr(runner, "requests", None)
+    return sorted(held) if isinstance(held, dict) else None
 
 
 def _force_dtype(module, dtype: str) -> None:

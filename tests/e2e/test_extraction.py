@@ -50,6 +50,20 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
         assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"], worker
     assert_route(run.data, "plugin", "the vllm_compat entry point")
     assert_variables_reach_the_workers_only(run.data)
+    assert_workers_hold_only_the_last_call(run.data)
+
+
+def assert_workers_hold_only_the_last_call(data: dict) -> None:
+    """After the calls, the workers keep state only for requests of the last call (whose finished ids go with the next
+    step): every request the generator finished reached them as finished by the next call's first step. Model Runner
+    V2 frees a request's slot only then, and speculators 0.3.0 alone never tells them of a call's last step's requests
+    (finished-ids-to-next-step); V1 keeps those requests' cached states for good."""
+    last = f"req_{data['request_counter'] - 1}_"
+    for worker in data["workers"]:
+        held = worker["requests_held"]
+        assert held is not None, worker["runner"]
+        stale = [r for r in held if not r.startswith(last)]
+        assert not stale, f"the worker still holds {len(stale)} requests of earlier calls: {stale[:8]}"
 
 
 def assert_route(data: dict, route: str, said: str) -> None:

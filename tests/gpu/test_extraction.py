@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.test_extraction import assert_workers_hold_only_the_last_call
 from tests.gpu.conftest import ABS_TOL, REL_TOL, compare, record, run_extract, speculators_version
 
 pytestmark = pytest.mark.gpu
@@ -54,6 +55,8 @@ def test_states_match_transformers(model_dir, calls, reference, tmp_path) -> Non
         assert worker["pid"] != run.data["status"]["pid"]
         assert worker["plugin_loaded"] and worker["installed"]
         assert worker["extensions"] == ["speculators.data_generation.custom_worker.HiddenStatesWorkerExtension"]
+    record("requests held by the workers after the calls", [len(w["requests_held"] or ()) for w in run.data["workers"]])
+    assert_workers_hold_only_the_last_call(run.data)  # Model Runner V2's request slots: see adapters/scheduler.py
 
 
 def test_fallback_extension_without_plugin(model_dir, calls, reference, tmp_path) -> None:
