@@ -8,7 +8,7 @@ import ctypes
 
 class _Libc:
     """``mmap``/``munmap`` from the C library: the mapping's life is then the buffer's, and the lease (one descriptor
-    with its lock) is held by the buffer's finalizer alone."""
+    with its lock) is held by the buffer's finalizer alone. ``send``: a message that must never wait."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, libc's among them: no library search
@@ -21,6 +21,9 @@ class _Libc:
         self.madvise = libc.madvise
         self.madvise.restype = ctypes.c_int
         self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.send = libc.send  # with MSG_DONTWAIT: never waits, whatever timeout Python set on the socket
+        self.send.restype = ctypes.c_ssize_t
+        self.send.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
 
 
 _LIBC: list[_Libc] = []

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm_compat.transport._libc import _libc
 from vllm_compat.transport.layout import ENV_SOCKET, TransportError
 
 logger = logging.getLogger("vllm_compat")
@@ -350,9 +351,12 @@ def tell_released(token: str, serial: int) -> None:
     sent now only leaves the slab to be found free at the worker's next call."""
     receiver = current_receiver()
     conn = receiver.conns.get(token) if receiver is not None else None
-    if conn is not None:
-        with contextlib.suppress(OSError, ValueError):
-            conn.send(_RELEASED.pack(serial), socket.MSG_DONTWAIT)
+    if conn is None:
+        return
+    message = _RELEASED.pack(serial)
+    with contextlib.suppress(OSError, ValueError):  # a socket closed meanwhile: the worker is gone too
+        # not socket.send: on a socket with a timeout it waits for room first, and a finalizer must never wait
+        _libc().send(conn.fileno(), message, len(message), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 
 
 def forget_workers(pids: set[int]) -> None:
