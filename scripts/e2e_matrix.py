@@ -461,17 +461,20 @@ def install_native(venv: Path, line: str) -> dict[str, list[str]]:
     that pip resolves speculators' other requirements (transformers 5, datasets, openai, ...) around vLLM's torch
     instead of replacing it.
 
-    speculators 0.9.0 requires torchvision and torchaudio (it imports neither). Beside a local ``+cpu`` torch build,
-    PyPI's builds of them break ``import transformers`` (``RuntimeError: operator torchvision::nms does not exist``,
-    then ``Could not import module 'LlamaConfig'``), and with it every step of the flow: there, the ones this install
-    brought are uninstalled again, the rule ``install_torchvision`` follows. Returns pip's warnings (a dependency
-    conflict it let stand, say) and what was removed, for the record."""
+    speculators 0.9.0 requires torchvision and torchaudio (and imports neither); pip takes torchaudio's newest release
+    whatever the torch (torchaudio 2.11.1 names no torch version), and transformers 5 imports torchaudio whenever it is
+    installed. Where the one pip brought does not import beside vLLM's torch (2.11.1 beside torch 2.11.0: ``undefined
+    symbol``; PyPI's builds beside a local ``+cpu`` torch: ``operator torchvision::nms does not exist``), ``import
+    transformers`` fails and with it every step of the flow: such a package is uninstalled again (the rule
+    ``install_torchvision`` follows for torchvision). Returns pip's warnings (a dependency conflict it let stand, say)
+    and what was removed and why, for the record."""
+    python = str(venv / "bin" / "python")
     torch = installed(venv, "torch") or ""
     before = {name: installed(venv, name) for name in ("torchvision", "torchaudio")}
     pins = [f"torch=={torch}"] if torch else []
     pins += [f"torchvision=={before['torchvision']}"] if before["torchvision"] else []
     done = run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
          *NATIVE_INSTALL[line], *pins],
         timeout=1800,
     )  # fmt: skip
@@ -479,12 +482,16 @@ def install_native(venv: Path, line: str) -> dict[str, list[str]]:
                 if ln.startswith(("WARNING", "ERROR")) or " requires " in ln or "incompatible" in ln]  # fmt: skip
     log(f"{line}: installed {' '.join(NATIVE_INSTALL[line])} beside {' '.join(pins)}")
     removed = []
-    if "+" in torch:
-        removed = [f"{n}=={v}" for n in before if before[n] is None and (v := installed(venv, n))]
-        if removed:
-            run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "--yes", "--quiet",
-                 *(r.split("==")[0] for r in removed)])  # fmt: skip
-            log(f"{line}: uninstalled {', '.join(removed)}: PyPI's builds break transformers beside torch {torch}")
+    for name in before:
+        version = installed(venv, name)
+        if before[name] is not None or version is None:
+            continue
+        check = run([python, "-c", f"import {name}"], check=False, timeout=300)
+        if check.returncode != 0:
+            why = (check.stderr.strip().splitlines() or ["?"])[-1][:200]
+            run([python, "-m", "pip", "uninstall", "--yes", "--quiet", name])
+            removed.append(f"{name}=={version} ({why})")
+            log(f"{line}: uninstalled {name} {version}, which pip brought and which does not import here: {why}")
     (venv / COMPLETE).unlink(missing_ok=True)  # the other lines' cells must not run in this environment again
     return {"warnings": [w for w in warnings if "Location 'file:" not in w][:20], "removed": removed}
 
