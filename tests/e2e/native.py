@@ -81,16 +81,30 @@ def serve_command(model: Path, layer_ids: list[int], kv_config: dict[str, Any], 
     ]  # fmt: skip
 
 
-def render_needs_scale_out() -> bool:
-    """Whether the installed vLLM serves ``/v1/chat/completions/render`` only under ``vllm serve --enable-scale-out``
-    (vLLM 0.30.0 on: without it the route answers 403, "Scale-out endpoints are disabled"), read from its source.
-    speculators' prepare-data renders every conversation there, so a user must pass the flag (after ``--`` to
-    launch_vllm.py)."""
+def _vllm_source(relative: str) -> str:
+    """The text of a module of the installed vLLM ("" where it has none), read without importing vLLM."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
-        return False
-    factories = Path(spec.origin).parent / "entrypoints" / "scale_out" / "factories.py"
-    return factories.is_file() and "enable_scale_out" in factories.read_text()
+        return ""
+    path = Path(spec.origin).parent / relative
+    return path.read_text() if path.is_file() else ""
+
+
+def needed_serve_flags() -> dict[str, str]:
+    """The `vllm serve` flags the installed vLLM needs before speculators 0.9.0's flow can run, each with why; what
+    a user adds after ``--`` to launch_vllm.py, told by vLLM's own error. Read from vLLM's source:
+
+    - ``--enable-scale-out`` (vLLM 0.30.0 on): ``/v1/chat/completions/render``, where prepare-data renders every
+      conversation, answers 403 ("Scale-out endpoints are disabled") without it;
+    - ``--no-enable-chunked-prefill`` (vLLM 0.22.0 to 0.23.0): the config refuses ExampleHiddenStatesConnector with
+      chunked prefill on, and launch_vllm.py no longer turns it off (speculators removed the flag in August 2026).
+    """
+    flags = {}
+    if "enable_scale_out" in _vllm_source("entrypoints/scale_out/factories.py"):
+        flags["--enable-scale-out"] = "the render route prepare-data uses is served only with it"
+    if "ExampleHiddenStatesConnector does not support chunked prefill" in _vllm_source("config/vllm.py"):
+        flags["--no-enable-chunked-prefill"] = "vLLM refuses ExampleHiddenStatesConnector with chunked prefill"
+    return flags
 
 
 def free_port() -> int:

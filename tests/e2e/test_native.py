@@ -111,10 +111,10 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         env.pop(name, None)
     port = native.free_port()
     kv_config = native.kv_transfer_config("file", staging)
-    # the user's vLLM arguments (launch_vllm.py passes what follows `--`): the loopback interface, and the flag that
-    # vLLM 0.30 and later need before they serve the render route prepare-data uses
-    vllm_args = ["--host", "127.0.0.1", "--port", str(port)]
-    vllm_args += ["--enable-scale-out"] if native.render_needs_scale_out() else []
+    # the user's vLLM arguments (launch_vllm.py passes what follows `--`): the loopback interface, and the flags this
+    # vLLM's own errors ask for before the flow can run (native.needed_serve_flags; on record, and in the docs)
+    flags = native.needed_serve_flags()
+    vllm_args = ["--host", "127.0.0.1", "--port", str(port), *flags]
     server = native.Server(
         native.serve_command(model, layer_ids, kv_config, vllm_args), port, work / "serve.log", env, work
     )
@@ -140,7 +140,7 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         run["serve_tail"] = server.tail(3000)
     run.update(work=work, model=model, prepared=prepared, out=out)
     _record({
-        "native_speculators": release, "native_vllm_args": [a for a in vllm_args if a.startswith("--enable")],
+        "native_speculators": release, "native_vllm_args": list(flags),
         "native_server_ready_seconds": run.get("server_ready_seconds"),
         "native_prepare_seconds": run.get("prepare", {}).get("seconds"),
         "native_generate_seconds": run.get("generate", {}).get("seconds"),
