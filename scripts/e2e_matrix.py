@@ -115,6 +115,9 @@ FULL_MATRIX_SUITES = {"0.3.0@0.32.0": FULL_SUITE, "0.4.0.1@0.32.0": FULL_SUITE}
 # multimodal wrapper (Kimi-K2.5), and a quiet exit. tests/e2e/test_faults_full.py (Ctrl-C one step at a time,
 # generators made in turn: a few generators of their own) runs in the full suite only. The whole suite (about 45
 # minutes a cell on 2 cores) runs in the full matrix, on both lines of the newest CPU build.
+# No native cell: native-0.9 fails on every vLLM CPU build (ExampleHiddenStatesConnector's device-to-host copy needs
+# CUDA streams, events and pinned memory; docs/compatibility.md), and a cell that cannot pass would only turn CI red.
+# Measured: about 4 to 5 minutes with its own environment, 2 to 3 on the 0.32.0 environment CI builds anyway.
 CI_CELLS = ["0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
 CI_GUARD_SUITE = [
     *CORE_SUITE,
