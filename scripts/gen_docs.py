@@ -359,7 +359,8 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
     states = e2e_summary(e2e, releases)
     cpu = [r for r in releases if r not in matrix.NO_CPU_BUILD]
     total = len(cpu) * len(LINES)
-    dates = sorted(r["date"][:10] for r in e2e.values() if r.get("date"))
+    # the in-process lines' records: the native line's cells have a section of their own
+    dates = sorted(r["date"][:10] for (line, _), r in e2e.items() if line in LINES and r.get("date"))
     no_commit = [c for c in states["pass"] if not e2e[tuple(c.split("@"))].get("commit")]
     text = (
         f"End to end, on record ({link}): **{len(states['pass'])} of the {total} cells** with a vLLM CPU build "
@@ -395,6 +396,39 @@ E2E_NOTES: dict[str, str] = {
         )
         for release in ("0.11.1", "0.11.2")
         for line in ("0.3.0", "0.4.0.1")
+    },
+    **{
+        f"native-0.9@{release}": (
+            "vLLM limit on its CPU platform, found 2026-12-04: `ExampleHiddenStatesConnector` copies each finished "
+            "request's states off the cache with a CUDA stream and events and into pinned host memory "
+            f"({how}); vLLM's CPU platform has no such stream, event or pinned memory, so the first extraction request "
+            "kills the engine (`EngineDeadError`) and every later one answers 500. Before it, everything ran: the "
+            "server started with the launch script's configs, prepare-data rendered every conversation through it. "
+            "speculators' generate-offline-data then exits 0 with no file saved (it skips failed samples and aborts "
+            "only after `--max-consecutive-errors`, by default its concurrency, 32, more than the 24 samples here). "
+            "With that copy made synchronous by hand in the installed connector (no pinning, a completed event: a "
+            "diagnostic on vLLM 0.32.0, not an adapter) all 24 samples were saved and every layer passed "
+            "(worst 0.0130 against its bound 0.0228, every other layer at least 0.52 away), so the rest of the path "
+            "works on the CPU. An adapter for the worker's connector could do the same on vLLM's CPU platform; no "
+            "run on a GPU, where this code is at home, is on record"
+        )
+        for release, how in (
+            (
+                "0.22.0",
+                "`torch.cuda.Stream()` in `_get_copy_stream`, at the first request's `save_kv_layer`: `CUDA error: "
+                "CUDA driver version is insufficient for CUDA runtime version` (PyPI's torch is a CUDA build; this "
+                "release's CPU platform does not stand in for CUDA streams yet). Also: vLLM 0.22.0 to 0.23.0 refuse "
+                "the connector with chunked prefill on (`ExampleHiddenStatesConnector does not support chunked "
+                "prefill`), which launch_vllm.py no longer turns off: `vllm serve` stops before the model loads "
+                "unless the user adds `--no-enable-chunked-prefill`, as the test does",
+            ),
+            ("0.26.0", "`copy_stream.wait_event`: `'_StreamPlaceholder' object has no attribute 'wait_event'`"),
+            (
+                "0.32.0",
+                "`torch.empty_like(..., pin_memory=True)`: `pin_memory=True requires a CUDA or other "
+                "accelerator backend`; past it, `event.query()` on vLLM's `_EventPlaceholder`",
+            ),
+        )
     },
 }
 

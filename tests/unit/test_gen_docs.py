@@ -94,6 +94,8 @@ def test_the_summary_counts_what_the_records_hold(gen_docs, monkeypatch: pytest.
     assert "**1 of the 68 cells** with a vLLM CPU build (vLLM 0.11.0 to 0.32.0" in text
     assert "pass, 1 fail, 66 not run; records dated 2026-12-01 to 2026-12-02." in text
     assert "vLLM 0.33.0 and 0.34.0 have no CPU build: their import-level check passes for 1 of 4 cells" in text
+    native = {("native-0.9", "0.32.0"): record("native-0.9", "0.32.0", passed=False, date="2026-12-05T00:00:00Z")}
+    assert gen_docs.summary_sentence({**e2e, **native}, releases, "the record") == text  # its own section says it
     section = "\n".join(gen_docs.e2e_section(e2e, releases))
     assert "- **0.4.0.1@0.11.0** (2026-12-01, `3b85374`): 1 failed, 13 passed in 600.0s" in section
     assert "  - `tests/e2e/test_extraction.py::test_tensor_parallel_2`: AssertionError: assert 1 == 2" in section
