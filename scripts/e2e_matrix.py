@@ -274,7 +274,8 @@ def scrub(value: Any) -> Any:
     for root, placeholder in sorted(SCRUB_ROOTS.items(), key=lambda kv: -len(kv[0])):
         if root and root != "/":
             value = value.replace(root.rstrip("/") + "/", placeholder + "/").replace(root.rstrip("/"), placeholder)
-    return _MACHINE_PATH.sub("<path>", _SITE_PACKAGES.sub(r"<env>/\1", value))
+    value = _MACHINE_PATH.sub("<path>", _SITE_PACKAGES.sub(r"<env>/\1", value))
+    return re.sub(r"<\w+>(?=<env>/)", "", value)  # "<work>/vllm-X/lib/python3.11/site-packages/": one placeholder
 
 
 def save_report(path: Path, records: dict[str, dict]) -> None:

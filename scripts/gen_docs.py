@@ -241,6 +241,9 @@ def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
         for result in record.get("results", []):
             if result["outcome"] in ("failed", "error"):
                 out.append(f"  - `{result['id']}`: {plain(result.get('message') or result['outcome'])}")
+        errors = numbers.get("native_serve_errors") or []
+        if errors and not record.get("passed"):
+            out.append("  - `vllm serve` logged: " + "; ".join(f"`{plain(e)[:240]}`" for e in errors[:3]))
         removed = (record.get("native_install") or {}).get("removed")
         if removed:
             out.append(f"  - uninstalled after pip brought them beside the local torch build: {', '.join(removed)}")

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -169,6 +170,23 @@ class Server:
 
     def tail(self, chars: int = 4000) -> str:
         return self.log_file.read_text(errors="replace")[-chars:] if self.log_file.exists() else ""
+
+    def errors(self, limit: int = 8) -> list[str]:
+        """The distinct error lines of the server's log, first seen first (vLLM's prefixes cut): the root cause of
+        a failed request is there, not in the client's 500."""
+        if not self.log_file.exists():
+            return []
+        seen: dict[str, None] = {}
+        for line in self.log_file.read_text(errors="replace").splitlines():
+            text = _LOG_PREFIX.sub("", line).strip()
+            if _ERROR_LINE.search(text) and not any(noise in text for noise in _NOISE):
+                seen.setdefault(text[:300])
+        return list(seen)[:limit]
+
+
+_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR|WARNING|INFO) \d\d-\d\d [\d:]+ \[[^\]]*\] ")
+_ERROR_LINE = re.compile(r"^\w*(Error|Exception)\b.*:|^[\w.]+\.\w*(Error|Exception):|ValueError|Value error")
+_NOISE = ("Attempted to load weight", "ulimit", "Traceback")
 
 
 def transformers_states(model, ids: list[int], num_layers: int) -> list:

@@ -135,15 +135,20 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                  "--preprocessed-data", str(prepared), "--output", str(out), "--validate-outputs"],
                 env, work, work / "generate.log", 900,
             )  # fmt: skip
+    except RuntimeError as exc:  # the server did not come up: its errors are the record's excerpt
+        run["serve_errors"] = server.errors()
+        _record({"native_serve_errors": run["serve_errors"]})
+        raise RuntimeError(f"{exc}\nvllm serve's errors: {run['serve_errors']}") from None
     finally:
         server.stop()
         run["serve_tail"] = server.tail(3000)
+    run["serve_errors"] = server.errors()
     run.update(work=work, model=model, prepared=prepared, out=out)
     _record({
         "native_speculators": release, "native_vllm_args": list(flags),
         "native_server_ready_seconds": run.get("server_ready_seconds"),
         "native_prepare_seconds": run.get("prepare", {}).get("seconds"),
-        "native_generate_seconds": run.get("generate", {}).get("seconds"),
+        "native_generate_seconds": run.get("generate", {}).get("seconds"), "native_serve_errors": run["serve_errors"],
     })  # fmt: skip
     return run
 
@@ -166,7 +171,10 @@ def test_offline_data_generation_saves_every_sample(native_run: dict[str, Any]) 
     _record({"native_samples": len(files), "native_rows": len(rows)})
     assert len(rows) == CONVERSATIONS, f"prepare-data kept {len(rows)} of {CONVERSATIONS} conversations"
     missing = sorted(set(range(len(rows))) - set(files))
-    assert not missing, f"no hidden-state file for rows {missing[:10]}:\n{generate['tail']}"
+    assert not missing, (
+        f"no hidden-state file for {len(missing)} of {len(rows)} rows ({missing[:10]}); vllm serve's errors: "
+        f"{native_run['serve_errors']}\ngenerate-offline-data's output ends:\n{generate['tail'][-1500:]}"
+    )
     assert max(len(r) for r in rows) > 1000, "the long conversations did not come through"
 
 

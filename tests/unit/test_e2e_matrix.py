@@ -330,13 +330,16 @@ def test_torchvision_is_left_out_beside_a_local_torch_build(matrix, monkeypatch,
     assert calls == [("torchvision==0.28.0", "torch==2.13.0")]  # torch named as it is: pip never changes it
 
 
+SITE = "lib/python3.11/site-packages"
+
+
 def test_records_name_no_folder_of_the_machine(matrix, tmp_path: Path, monkeypatch) -> None:
     """Error excerpts quote tracebacks and logs; the committed record keeps them with placeholders for the paths."""
     work = tmp_path / "work"
     monkeypatch.setitem(matrix.SCRUB_ROOTS, str(work), "<work>")
     env = "/work/envs/matrix-full/vllm-0.11.2/lib/python3.11/site-packages/vllm/worker.py"
     record = {
-        "error": f'File "{env}", line 3\n{work}/pytest/native0/model: bad',
+        "error": f'File "{env}", line 3\n{work}/pytest/native0/model: bad\n{work}/vllm-0.32.0/{SITE}/x',
         "results": [{"message": f"{ROOT}/tests/e2e/test_native.py:12: AssertionError"}],
         "native_install": {"removed": ["torchvision==0.28.0"], "warnings": ["see /tmp/pip-x/log"]},
         "seconds": 1.5,
@@ -346,7 +349,7 @@ def test_records_name_no_folder_of_the_machine(matrix, tmp_path: Path, monkeypat
     text = report.read_text()
     assert str(tmp_path) not in text and "/work/" not in text and str(ROOT) not in text
     (saved,) = matrix.load_report(report).values()
-    site = "<env>/lib/python3.11/site-packages"
-    assert saved["error"] == f'File "{site}/vllm/worker.py", line 3\n<work>/pytest/native0/model: bad'
+    site = f"<env>/{SITE}"
+    assert saved["error"] == f'File "{site}/vllm/worker.py", line 3\n<work>/pytest/native0/model: bad\n{site}/x'
     assert saved["results"][0]["message"] == "<checkout>/tests/e2e/test_native.py:12: AssertionError"
     assert saved["native_install"]["warnings"] == ["see <tmp>/pip-x/log"] and saved["seconds"] == 1.5
