@@ -190,7 +190,8 @@ NATIVE_AS_RUN = (
     "As run end to end (`tests/e2e/test_native.py`, the matrix's cells `native-0.9@X`): speculators 0.9.0 and "
     "hs-connectors 0.9.0 installed with pip into the release's vLLM CPU build (torch named as installed), `vllm serve` "
     "started as speculators' `launch_vllm.py` starts it (the `extract_hidden_states` method, the file backend's "
-    "`ExampleHiddenStatesConnector`; `--enable-scale-out` where vLLM serves the render route only with it) on the "
+    "`ExampleHiddenStatesConnector`; and the flags this vLLM's own errors ask for: `--enable-scale-out` from 0.30, "
+    "`--no-enable-chunked-prefill` on 0.22 to 0.23) on the "
     "loopback interface, speculators' own `prepare-data --render-endpoint` and `generate-offline-data` unchanged on a "
     "tiny Llama, and every saved file judged per layer against transformers' float32 forward of the same token ids: "
     "over all samples, vLLM's bf16 error within 1.5 times transformers' own bf16 error plus 1e-3, and every other "
@@ -233,7 +234,8 @@ def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
         args = numbers.get("native_vllm_args")
         if args:
             out.append(f"  - `vllm serve` given {' '.join(f'`{a}`' for a in args)}")
-        for layer in (numbers.get("native_judgement") or {}).get("layers", []):
+        judged = numbers.get("native_judgement") or {}
+        for layer in judged.get("layers", []) if judged.get("samples") else []:
             out.append(
                 f"  - layer id {layer['layer_id']}: vLLM {layer['vllm']:.4f}, transformers bf16 "
                 f"{layer['hf_bf16']:.4f}, bound {layer['bound']:.4f}, nearest other layer {layer['nearest_other']}"
@@ -246,7 +248,9 @@ def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
             out.append("  - `vllm serve` logged: " + "; ".join(f"`{plain(e)[:240]}`" for e in errors[:3]))
         removed = (record.get("native_install") or {}).get("removed")
         if removed:
-            out.append(f"  - uninstalled after pip brought them beside the local torch build: {', '.join(removed)}")
+            out.append(
+                f"  - uninstalled again (pip brought them; they do not import beside this torch): {', '.join(removed)}"
+            )
         if cell in E2E_NOTES:
             out.append(f"  - {E2E_NOTES[cell]}")
     return [*out, ""]
