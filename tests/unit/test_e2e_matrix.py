@@ -163,8 +163,14 @@ def test_cells_and_suites(matrix) -> None:
         return matrix.plan_cells(parser_args)
 
     cells = plan()
-    e2e = [c for c in cells if c.kind == "e2e"]
+    e2e = [c for c in cells if c.kind == "e2e" and not c.native]
     assert len(e2e) == 68 and {c.vllm for c in e2e} == set(matrix.RELEASES) - matrix.NO_CPU_BUILD
+    native = [c for c in cells if c.native]
+    assert [c.vllm for c in native] == matrix.NATIVE_RELEASES and matrix.NATIVE_RELEASES[0] == matrix.NATIVE_FIRST
+    assert matrix.NATIVE_RELEASES[-1] == "0.32.0" and all(c.kind == "e2e" for c in native)
+    assert all(c.id.startswith("native-0.9@") and c.suite == matrix.NATIVE_SUITE for c in native)
+    ids = [c.id for c in cells]  # per release the native cell comes last: its install changes the environment
+    assert ids.index("native-0.9@0.26.0") == ids.index("0.4.0.1@0.26.0") + 1
     assert [c.id for c in cells if c.kind == "import"] == [
         "0.3.0@0.33.0", "0.4.0.1@0.33.0", "0.3.0@0.34.0", "0.4.0.1@0.34.0"
     ]  # fmt: skip
@@ -179,12 +185,14 @@ def test_cells_and_suites(matrix) -> None:
     ]
     with pytest.raises(SystemExit, match=r"not a matrix cell: 0\.3\.0@0\.10\.0"):
         plan("cells=0.3.0@0.10.0")
+    with pytest.raises(SystemExit, match=r"not a matrix cell: native-0\.9@0\.21\.0"):
+        plan("cells=native-0.9@0.21.0")  # before the first release the native probes pass
 
 
 def test_every_named_test_exists(matrix) -> None:
     """A renamed test or parameter id in the core or CI's suite is caught here in seconds: pytest would only refuse
     the id ("not found") once the cell's vLLM environment is built, tens of minutes into CI."""
-    for test in {*matrix.CORE_SUITE, *matrix.CI_GUARD_SUITE}:
+    for test in {*matrix.CORE_SUITE, *matrix.CI_GUARD_SUITE, *matrix.NATIVE_SUITE}:
         path, _, name = test.partition("::")
         assert (ROOT / path).is_file(), path
         name, _, param = name.partition("[")
@@ -320,3 +328,28 @@ def test_torchvision_is_left_out_beside_a_local_torch_build(matrix, monkeypatch,
     monkeypatch.setattr(matrix, "installed", lambda venv, name: "2.13.0")
     matrix.install_torchvision(tmp_path, "0.31.0", "2.13.0")
     assert calls == [("torchvision==0.28.0", "torch==2.13.0")]  # torch named as it is: pip never changes it
+
+
+SITE = "lib/python3.11/site-packages"
+
+
+def test_records_name_no_folder_of_the_machine(matrix, tmp_path: Path, monkeypatch) -> None:
+    """Error excerpts quote tracebacks and logs; the committed record keeps them with placeholders for the paths."""
+    work = tmp_path / "work"
+    monkeypatch.setitem(matrix.SCRUB_ROOTS, str(work), "<work>")
+    env = "/work/envs/matrix-full/vllm-0.11.2/lib/python3.11/site-packages/vllm/worker.py"
+    record = {
+        "error": f'File "{env}", line 3\n{work}/pytest/native0/model: bad\n{work}/vllm-0.32.0/{SITE}/x',
+        "results": [{"message": f"{ROOT}/tests/e2e/test_native.py:12: AssertionError"}],
+        "native_install": {"removed": ["torchvision==0.28.0"], "warnings": ["see /tmp/pip-x/log"]},
+        "seconds": 1.5,
+    }
+    report = tmp_path / "matrix.json"
+    matrix.save_report(report, {"native-0.9@0.32.0": record})
+    text = report.read_text()
+    assert str(tmp_path) not in text and "/work/" not in text and str(ROOT) not in text
+    (saved,) = matrix.load_report(report).values()
+    site = f"<env>/{SITE}"
+    assert saved["error"] == f'File "{site}/vllm/worker.py", line 3\n<work>/pytest/native0/model: bad\n{site}/x'
+    assert saved["results"][0]["message"] == "<checkout>/tests/e2e/test_native.py:12: AssertionError"
+    assert saved["native_install"]["warnings"] == ["see <tmp>/pip-x/log"] and saved["seconds"] == 1.5

@@ -94,6 +94,8 @@ def test_the_summary_counts_what_the_records_hold(gen_docs, monkeypatch: pytest.
     assert "**1 of the 68 cells** with a vLLM CPU build (vLLM 0.11.0 to 0.32.0" in text
     assert "pass, 1 fail, 66 not run; records dated 2026-12-01 to 2026-12-02." in text
     assert "vLLM 0.33.0 and 0.34.0 have no CPU build: their import-level check passes for 1 of 4 cells" in text
+    native = {("native-0.9", "0.32.0"): record("native-0.9", "0.32.0", passed=False, date="2026-12-05T00:00:00Z")}
+    assert gen_docs.summary_sentence({**e2e, **native}, releases, "the record") == text  # its own section says it
     section = "\n".join(gen_docs.e2e_section(e2e, releases))
     assert "- **0.4.0.1@0.11.0** (2026-12-01, `3b85374`): 1 failed, 13 passed in 600.0s" in section
     assert "  - `tests/e2e/test_extraction.py::test_tensor_parallel_2`: AssertionError: assert 1 == 2" in section
@@ -195,6 +197,44 @@ def test_native_section_says_which_releases_each_native_line_works_with(gen_docs
     assert "| `native.config.layer_index` | 0.17.0: `before_layer` |" in text
     assert "0.17.0: `before_layer`; 0.18.0: `missing` |" in text
     assert "--allow-code-only" in text  # judged by the code only, and said so
+
+
+def test_native_section_says_what_ran_end_to_end(gen_docs) -> None:
+    """With native cells on record, the section says how they ran, adds an "as run" column for the line, and lists
+    each cell: a pass with its per-layer judgement, a failure with its failing test and what is known of it."""
+    from vllm_compat.plan import Plan
+
+    plans = {v: Plan(v, "static", gen_docs.NATIVE) for v in ("0.22.0", "0.26.0", "0.32.0")}
+    layers = [
+        {"slot": 0, "layer_id": 1, "vllm": 0.0075, "hf_bf16": 0.0079, "bound": 0.0129, "nearest_other": 0.69},
+        {"slot": 1, "layer_id": 4, "vllm": 0.0126, "hf_bf16": 0.0167, "bound": 0.0261, "nearest_other": 0.68},
+    ]
+    passed = {
+        "speculators": "native-0.9", "vllm": "0.26.0", "kind": "e2e", "passed": True, "commit": "abcdef123",
+        "date": "2026-12-04T23:50:00Z", "dirty": False, "tests": {"passed": 3, "summary": "3 passed"},
+        "numbers": {"native_judgement": {"samples": 24, "layers": layers}, "native_vllm_args": ["--enable-scale-out"]},
+        "versions": {"torch": "2.11.0", "transformers": "5.19.0", "hs_connectors": "0.9.0"},
+    }  # fmt: skip
+    failed = {
+        **passed, "vllm": "0.32.0", "passed": False, "numbers": {},
+        "failed": ["tests/e2e/test_native.py::test_offline_data_generation_saves_every_sample"],
+        "results": [{"id": "tests/e2e/test_native.py::test_offline_data_generation_saves_every_sample",
+                     "outcome": "failed", "message": "AssertionError: no hidden-state file for rows [0]"}],
+        "native_install": {"removed": ["torchvision==0.28.0"], "warnings": []},
+    }  # fmt: skip
+    runs = {("native-0.9", "0.26.0"): passed, ("native-0.9", "0.32.0"): failed, ("0.3.0", "0.26.0"): {}}
+    text = "\n".join(gen_docs.native_section(plans, runs))
+    assert "Judged by the code only: no end-to-end run" not in text and "As run end to end" in text
+    assert "| vLLM | " + " | ".join(gen_docs.NATIVE) + " | native-0.9 as run |" in text
+    assert "| 0.22.0 | works | works | works | works | works | not run |" in text
+    # the worst layer is the one nearest its bound (0.0075 of 0.0129), not the largest error
+    cell = "**pass** 24 samples, worst layer 1: 0.0075 (bound 0.0129) (2026-12-04, `abcdef1`)"
+    assert "| 0.26.0 | " + "works | " * 5 + cell + " |" in text
+    assert "| 0.32.0 | " + "works | " * 5 + "**FAIL** `test_offline_data_generation_saves_every_sample`" in text
+    assert "  - layer id 1: vLLM 0.0075, transformers bf16 0.0079, bound 0.0129, nearest other layer 0.69" in text
+    assert "  - `vllm serve` given `--enable-scale-out`" in text
+    assert "no hidden-state file for rows [0]" in text and "torchvision==0.28.0" in text
+    assert "0.3.0@" not in text  # the in-process lines' cells are not the native section's
 
 
 @pytest.mark.wheels
