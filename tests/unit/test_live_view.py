@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_compat.apiview.live import LiveView
+from vllm_compat.apiview.live import ImportBroken, LiveView
 from vllm_compat.apiview.static import StaticView
+from vllm_compat.findings import UNKNOWN, Observation, Probe
 
 from .fake_tree import write_tree
 
@@ -60,11 +61,33 @@ def test_members_and_source_agree(views) -> None:
     )
 
 
-def test_import_failure_is_reported_not_raised(tmp_path: Path, monkeypatch) -> None:
+def test_a_module_that_does_not_import_is_unknown_not_missing(tmp_path: Path, monkeypatch) -> None:
+    """A new user's environment on vLLM's CPU build 0.29.0 with PyPI's torchvision beside the +cpu torch: every vLLM
+    module that imports transformers' models failed to import, and ``probe --live`` reported 38 facts drifted
+    ("module vllm.config does not exist") and told the user to pin another vLLM. A module that exists but does not
+    import is the environment's fault: the view says so, and the fact is unknown with that cause."""
     pkg = tmp_path / "brokenpkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("raise RuntimeError('needs a GPU')\n")
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (pkg / "needs.py").write_text("import a_package_nobody_installed\n")
+    (pkg / "sub" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     view = LiveView(package="brokenpkg")
-    assert view.locate("brokenpkg.X") is None
-    assert "needs a GPU" in view.import_error("brokenpkg")
+    with pytest.raises(ImportBroken, match="torchvision::nms") as caught:
+        view.locate("brokenpkg.config.CacheConfig")
+    assert "environment" in str(caught.value) and "does not import here" in str(caught.value)
+    assert "torchvision::nms" in view.import_error("brokenpkg.config")
+    with pytest.raises(ImportBroken, match="a_package_nobody_installed"):
+        view.has_module("brokenpkg.needs")
+    assert view.locate("brokenpkg.gone.Thing") is None, "a module this package does not have is absent"
+    assert view.locate("brokenpkg.sub.gone") is None
+    assert not view.has_module("brokenpkg.sub.gone")
+
+    probe = Probe("x.cache_config", "brokenpkg.config.CacheConfig", "a class speculators builds",
+                  expected={"0.4.0.1": "baseline"},
+                  observe=lambda v: Observation("baseline" if v.locate("brokenpkg.config.CacheConfig") else "missing",
+                                                "found or not"))  # fmt: skip
+    observed = probe.run(view)
+    assert observed.variant_for("0.4.0.1") == UNKNOWN and "torchvision::nms" in observed.observed
+    assert probe.state_for("0.4.0.1", observed).name == "UNKNOWN"

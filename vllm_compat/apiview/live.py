@@ -31,6 +31,23 @@ _KINDS = {
 }
 
 
+class ImportBroken(RuntimeError):
+    """A module this vLLM has does not import in this environment. What a probe would see of it (nothing) says
+    nothing about vLLM's API, so the fact is unknown (``Fact.run``), never drifted."""
+
+    def __init__(self, module: str, error: str) -> None:
+        super().__init__(
+            f"{module} is in this vLLM but does not import here ({error}): the environment is broken, not vLLM's "
+            "API (a package vLLM imports missing or of another build, e.g. PyPI's torchvision beside a +cpu torch); "
+            "fix it, or judge vLLM's files without importing them (`vllm-compat probe` without --live)"
+        )
+        self.module, self.error = module, error
+
+
+def _is_self_or_parent(missing: str | None, module: str) -> bool:
+    return bool(missing) and (module == missing or module.startswith(f"{missing}."))
+
+
 class LiveView:
     """An ApiView over the vLLM importable in this process."""
 
@@ -45,6 +62,7 @@ class LiveView:
         return str(found) if found is not None else None
 
     def has_module(self, module: str) -> bool:
+        """Whether this vLLM has ``module``; ``ImportBroken`` where it has it but it does not import here."""
         return self._import(module) is not None
 
     def import_error(self, module: str) -> str | None:
@@ -154,22 +172,22 @@ class LiveView:
         return None
 
     def _import(self, module: str) -> Any:
+        """The module, None where this vLLM has no such module; ``ImportBroken`` where it has one that does not
+        import here (a package it needs missing or of another build): a name in it is not known to be missing."""
         if module in sys.modules:
             return sys.modules[module]
         if module in self._import_errors:
-            return None
+            raise ImportBroken(module, self._import_errors[module])
         try:
             if importlib.util.find_spec(module) is None:
                 return None
-        except Exception as exc:  # finding a submodule imports its parents, which may fail
-            self._import_errors.setdefault(module, f"{type(exc).__name__}: {exc}")
-            return None
-        try:
             return importlib.import_module(module)
-        except Exception as exc:  # a module that exists but fails to import is reported, not raised
+        except Exception as exc:  # finding a submodule imports its parents, which may fail
+            if isinstance(exc, ModuleNotFoundError) and _is_self_or_parent(exc.name, module):
+                return None  # the module (or a package above it) is not in this vLLM: absent, not broken
             self._import_errors[module] = f"{type(exc).__name__}: {exc}"
             logger.debug("could not import %s: %s", module, exc)
-            return None
+            raise ImportBroken(module, self._import_errors[module]) from exc
 
     def _lookup(self, dotted: str) -> tuple[Any, str, str]:
         split = split_dotted(dotted, lambda m: self._import(m) is not None)
