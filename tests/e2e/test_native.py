@@ -109,7 +109,8 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "NO_PROXY": "127.0.0.1,localhost",
         "no_proxy": "127.0.0.1,localhost",
     }
-    for name in ("VLLM_COMPAT_AUTO", "VLLM_COMPAT_E2E_REPORT"):
+    # the test session's VLLM_COMPAT_DISABLE (tests/conftest.py) would keep vllm-compat out of the server
+    for name in ("VLLM_COMPAT_AUTO", "VLLM_COMPAT_E2E_REPORT", "VLLM_COMPAT_DISABLE"):
         env.pop(name, None)
     port = native.free_port()
     kv_config = native.kv_transfer_config("file", staging)
