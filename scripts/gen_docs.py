@@ -258,8 +258,8 @@ def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
         adapted = numbers.get("native_adapted")
         if adapted:
             out.append(
-                f"  - `native-connector-on-cpu` applied in {len(adapted)} of the server's processes (the one that "
-                "made the worker's connector)"
+                f"  - `native-connector-on-cpu` applied in {len(adapted)} of the server's processes (each that "
+                "imported the connector's module)"
             )
         removed = (record.get("native_install") or {}).get("removed")
         if removed:
@@ -421,18 +421,15 @@ E2E_NOTES: dict[str, str] = {
     },
     **{
         f"native-0.9@{release}": (
-            "vLLM limit on its CPU platform, found 2026-12-04: `ExampleHiddenStatesConnector` copies each finished "
-            "request's states off the cache with a CUDA stream and events and into pinned host memory "
-            f"({how}); vLLM's CPU platform has no such stream, event or pinned memory, so the first extraction request "
-            "kills the engine (`EngineDeadError`) and every later one answers 500. Before it, everything ran: the "
-            "server started with the launch script's configs, prepare-data rendered every conversation through it. "
-            "speculators' generate-offline-data then exits 0 with no file saved (it skips failed samples and aborts "
-            "only after `--max-consecutive-errors`, by default its concurrency, 32, more than the 24 samples here). "
-            "With that copy made synchronous by hand in the installed connector (no pinning, a completed event: a "
-            "diagnostic on vLLM 0.32.0, not an adapter) all 24 samples were saved and every layer passed "
-            "(worst 0.0130 against its bound 0.0228, every other layer at least 0.52 away), so the rest of the path "
-            "works on the CPU. An adapter for the worker's connector could do the same on vLLM's CPU platform; no "
-            "run on a GPU, where this code is at home, is on record"
+            "without vllm-compat (the runs of 2026-12-04, before `native-connector-on-cpu`): "
+            "`ExampleHiddenStatesConnector` copies each finished request's states off the cache with a CUDA stream "
+            f"and events and into pinned host memory ({how}); vLLM's CPU platform has no such stream, event or pinned "
+            "memory, so the first extraction request killed the engine (`EngineDeadError`) and every later one "
+            "answered 500, while speculators' generate-offline-data exited 0 with no file saved (it skips failed "
+            "samples and aborts only after `--max-consecutive-errors`, by default its concurrency, 32, more than the "
+            "24 samples here). Under `vllm-compat run` the adapter makes that copy synchronous on vLLM's CPU platform "
+            "(a plain host copy, an event complete when made), in every server process that imports the connector; "
+            "no run on a GPU, where the connector's own path is at home and left alone, is on record"
         )
         for release, how in (
             (
