@@ -20,7 +20,12 @@ read from their code (the package index's wheels, and the repository's scripts a
   that overrides its private ``_write_tensors``. speculators 0.9.0 itself imports no vLLM.
 
 A line here is named ``native-0.X``; the plan judges it like the in-process lines (``0.3.0``, ``0.4.0.1``). The native
-line has no adapters: a drift is reported unhandled, and what to do is pin a vLLM release that passes.
+line has one adapter, for vLLM's CPU platform: ``native-connector-on-cpu`` (adapters/native_connector.py) makes
+ExampleHiddenStatesConnector's CUDA-only copy off its cache (vLLM 0.22.0 on: ``native.connector.device_copy``)
+synchronous there, in `vllm serve`'s own processes, which vllm-compat reaches when the server is started under
+``vllm-compat run`` (or ``VLLM_COMPAT_AUTO=1``). Any other drift is reported unhandled, and what to do is pin a vLLM
+release that passes. No native probe depends on an adapter: the probes read vLLM's code as shipped, and the adapter
+takes its shape from the same reading (``cuda_only_uses``).
 """
 
 from __future__ import annotations

@@ -353,3 +353,79 @@ def runner(view: ApiView) -> Observation:
         "Model Runner V2 lacks an extract_hidden_states speculator and nothing sends the method to V1",
         (evidence(chooser[1]),),
     )
+
+
+# What vLLM's CPU platform lacks and the connector's copy off its cache uses, through the module's ``torch`` name:
+# the calls adapters/native_connector.py's ``native-connector-on-cpu`` replaces there (anything else CUDA-only is
+# a copy path it does not know)
+CUDA_CALLS = frozenset({"torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.stream"})
+PINNING_FACTORIES = frozenset({"torch.empty", "torch.empty_like", "torch.zeros", "torch.zeros_like"})
+
+
+def cuda_only_uses(tree: ast.AST) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The CUDA-only calls in ``tree`` as (text, line): those ``native-connector-on-cpu`` knows, and the others
+    (another ``torch.cuda`` call, a name imported from ``torch.cuda``, pinned memory asked for another way)."""
+    known: list[tuple[str, int]] = []
+    other: list[tuple[str, int]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.cuda"):
+            other.append((f"from {node.module} import ...", node.lineno))
+        if not isinstance(node, ast.Call):
+            continue
+        func = ast.unparse(node.func)
+        pinned = any(
+            k.arg == "pin_memory" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
+            for k in node.keywords
+        )
+        if func in CUDA_CALLS or (pinned and func in PINNING_FACTORIES):
+            known.append((f"{func}(...)" + (" with pin_memory" if pinned else ""), node.lineno))
+        elif func.startswith(("torch.cuda.", "cuda.")) or pinned or func.endswith(".pin_memory"):
+            other.append((f"{func}(...)", node.lineno))
+    return known, other
+
+
+@probe(
+    "native.connector.device_copy",
+    symbol=EXAMPLE,
+    summary="how ExampleHiddenStatesConnector copies the states off its cache to host memory: vLLM's CPU platform "
+    "has no CUDA streams, events or pinned memory",
+    expected=dict.fromkeys(NATIVE_LINES, "a copy that needs nothing CUDA-only (a plain .cpu(), vLLM 0.17 to 0.21)"),
+)
+def device_copy(view: ApiView) -> Observation:
+    """Variants: ``baseline`` (no CUDA-only call: the states are copied with ``.cpu()`` and written inline),
+    ``cuda_copy_stream`` (vLLM 0.22.0 on: a ``torch.cuda.Stream``, ``torch.cuda.Event`` and ``torch.cuda.stream``
+    around a non-blocking copy into ``pin_memory=True`` memory, its event waited for by the writer thread and polled
+    by ``get_finished``; works on a GPU, kills the engine at the first request on vLLM's CPU platform, and
+    ``native-connector-on-cpu`` makes it synchronous there), ``cuda_other`` (CUDA-only calls that adapter does not
+    know: unhandled)."""
+    parsed = parse_source(view, EXAMPLE)
+    if parsed is None:
+        loc = view.locate(EXAMPLE)
+        if loc is None:
+            return Observation("missing", "vLLM has no ExampleHiddenStatesConnector")
+        return Observation.unknown("ExampleHiddenStatesConnector is not readable", evidence(loc))
+    tree, loc = parsed
+    known, other = cuda_only_uses(tree)
+
+    def at(uses: list[tuple[str, int]]) -> tuple[str, ...]:
+        first = {text: line for text, line in sorted(uses, key=lambda u: -u[1])}  # each call's first line
+        ordered = sorted(first.items(), key=lambda item: item[1])
+        where = [f"{text} at line {loc.line + line - 1}" if loc and loc.line else text for text, line in ordered]
+        return (evidence(loc, "; ".join(where)),)
+
+    if other:
+        return Observation(
+            "cuda_other",
+            "the connector's copy off its cache uses CUDA-only calls native-connector-on-cpu does not know: "
+            + ", ".join(sorted({text for text, _ in other})),
+            at(other),
+        )
+    if known:
+        return Observation(
+            "cuda_copy_stream",
+            "the connector copies the states on a torch.cuda.Stream into pinned memory and tracks it with "
+            "torch.cuda.Event: CUDA-only, so on vLLM's CPU platform the first request kills the engine "
+            "(native-connector-on-cpu makes the copy synchronous there; on a GPU it is left as it is)",
+            at(known),
+        )
+    return Observation(BASELINE, "the connector copies the states with nothing CUDA-only", (evidence(loc),))

@@ -103,7 +103,7 @@ def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | N
     run_lines = [line for line in NATIVE if any(k[0] == line for k in runs)]
 
     def works(release: str, line: str) -> bool:
-        return not [f for f in plans[release].findings if f.speculators == line and f.state is not State.BASELINE]
+        return not [f for f in plans[release].findings if f.speculators == line and not f.handled]
 
     out = [
         "## speculators 0.5 to 0.9: extraction through `vllm serve`",
@@ -117,7 +117,12 @@ def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | N
         "",
         *(f"- `{line}`: {what}" for line, what in NATIVE_LINES.items()),
         "",
-        "The native line has no adapters: a drift there is unhandled, and the remedy is a vLLM release that passes. "
+        "The native line has one adapter, for vLLM's CPU platform: `native-connector-on-cpu` makes "
+        "`ExampleHiddenStatesConnector`'s copy of the states off its cache, which from vLLM 0.22.0 needs CUDA streams, "
+        "events and pinned memory (`native.connector.device_copy`), synchronous there; it reaches `vllm serve`'s "
+        "processes when the server is started under `vllm-compat run` (`vllm-compat run -- python "
+        "scripts/launch_vllm.py ...`) or with `VLLM_COMPAT_AUTO=1`, and leaves the connector alone on a GPU. Any other "
+        "drift there is unhandled, and the remedy is a vLLM release that passes. "
         + (
             NATIVE_AS_RUN
             if runs
@@ -148,11 +153,12 @@ def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | N
     for release in releases:
         cells = []
         for line in NATIVE:
-            failing = sorted(
-                {f.probe for f in plans[release].findings if f.speculators == line and f.state is not State.BASELINE}
+            failing = sorted({f.probe for f in plans[release].findings if f.speculators == line and not f.handled})
+            adapters = sorted(
+                {f.adapter for f in plans[release].findings if f.speculators == line and f.handled and f.adapter}
             )
             if not failing:
-                cells.append("works")
+                cells.append("works" + "".join(f" (`{a}` on CPU)" for a in adapters))
             elif len(failing) > 3:
                 cells.append(f"**unhandled**: {len(failing)} facts, e.g. `{failing[0]}`")
             else:
@@ -166,7 +172,9 @@ def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | N
         "### Native facts by probe",
         "",
         "The native facts whose variant is not `baseline` somewhere, with the releases where each line meets it "
-        "(`v1_fallback`, `v2` and `after_warmup_in_process` are variants the lines run with; the others are drift).",
+        "(`v1_fallback`, `v2` and `after_warmup_in_process` are variants the lines run with; `cuda_copy_stream` is "
+        "drift `native-connector-on-cpu` covers on vLLM's CPU platform and a GPU runs as it is; the others are "
+        "drift).",
         "",
         "| probe | " + " | ".join(NATIVE) + " |",
         "|---|" + "---|" * len(NATIVE),
@@ -189,7 +197,8 @@ def native_section(plans: dict[str, Plan], runs: dict[tuple[str, str], dict] | N
 NATIVE_AS_RUN = (
     "As run end to end (`tests/e2e/test_native.py`, the matrix's cells `native-0.9@X`): speculators 0.9.0 and "
     "hs-connectors 0.9.0 installed with pip into the release's vLLM CPU build (torch named as installed), `vllm serve` "
-    "started as speculators' `launch_vllm.py` starts it (the `extract_hidden_states` method, the file backend's "
+    "started under `vllm-compat run` as speculators' `launch_vllm.py` starts it (the `extract_hidden_states` method, "
+    "the file backend's "
     "`ExampleHiddenStatesConnector`; and the flags this vLLM's own errors ask for: `--enable-scale-out` from 0.30, "
     "`--no-enable-chunked-prefill` on 0.22 to 0.23) on the "
     "loopback interface, speculators' own `prepare-data --render-endpoint` and `generate-offline-data` unchanged on a "
@@ -246,6 +255,12 @@ def native_runs(runs: dict[tuple[str, str], dict]) -> list[str]:
         errors = numbers.get("native_serve_errors") or []
         if errors and not record.get("passed"):
             out.append("  - `vllm serve` logged: " + "; ".join(f"`{plain(e)[:240]}`" for e in errors[:3]))
+        adapted = numbers.get("native_adapted")
+        if adapted:
+            out.append(
+                f"  - `native-connector-on-cpu` applied in {len(adapted)} of the server's processes (each that "
+                "imported the connector's module)"
+            )
         removed = (record.get("native_install") or {}).get("removed")
         if removed:
             out.append(
@@ -406,18 +421,15 @@ E2E_NOTES: dict[str, str] = {
     },
     **{
         f"native-0.9@{release}": (
-            "vLLM limit on its CPU platform, found 2026-12-04: `ExampleHiddenStatesConnector` copies each finished "
-            "request's states off the cache with a CUDA stream and events and into pinned host memory "
-            f"({how}); vLLM's CPU platform has no such stream, event or pinned memory, so the first extraction request "
-            "kills the engine (`EngineDeadError`) and every later one answers 500. Before it, everything ran: the "
-            "server started with the launch script's configs, prepare-data rendered every conversation through it. "
-            "speculators' generate-offline-data then exits 0 with no file saved (it skips failed samples and aborts "
-            "only after `--max-consecutive-errors`, by default its concurrency, 32, more than the 24 samples here). "
-            "With that copy made synchronous by hand in the installed connector (no pinning, a completed event: a "
-            "diagnostic on vLLM 0.32.0, not an adapter) all 24 samples were saved and every layer passed "
-            "(worst 0.0130 against its bound 0.0228, every other layer at least 0.52 away), so the rest of the path "
-            "works on the CPU. An adapter for the worker's connector could do the same on vLLM's CPU platform; no "
-            "run on a GPU, where this code is at home, is on record"
+            "without vllm-compat (the runs of 2026-12-04, before `native-connector-on-cpu`): "
+            "`ExampleHiddenStatesConnector` copies each finished request's states off the cache with a CUDA stream "
+            f"and events and into pinned host memory ({how}); vLLM's CPU platform has no such stream, event or pinned "
+            "memory, so the first extraction request killed the engine (`EngineDeadError`) and every later one "
+            "answered 500, while speculators' generate-offline-data exited 0 with no file saved (it skips failed "
+            "samples and aborts only after `--max-consecutive-errors`, by default its concurrency, 32, more than the "
+            "24 samples here). Under `vllm-compat run` the adapter makes that copy synchronous on vLLM's CPU platform "
+            "(a plain host copy, an event complete when made), in every server process that imports the connector; "
+            "no run on a GPU, where the connector's own path is at home and left alone, is on record"
         )
         for release, how in (
             (

@@ -73,9 +73,12 @@ class Adapter:
     # -- metadata helpers ------------------------------------------------------------------
     @classmethod
     def serves(cls, speculators_version: str) -> bool:
+        """Whether it serves a speculators line or version; a native line (``native-0.9``) stands for its minor
+        release (``0.9``), so only adapters whose specifier names 0.5 to 0.9 serve the native lines."""
         from packaging.specifiers import SpecifierSet  # imported on use: keeps `import vllm_compat` light
 
-        return SpecifierSet(cls.speculators).contains(str(speculators_version))
+        version = str(speculators_version).removeprefix("native-")
+        return SpecifierSet(cls.speculators).contains(version)
 
     @classmethod
     def covers_variant(cls, probe_id: str, variant: str) -> bool:

@@ -26,7 +26,7 @@ from vllm_compat.models import ENV_FAMILIES, active_families, model_families
 from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.status_text import Status
-from vllm_compat.versions import installed_version
+from vllm_compat.versions import installed_version, native_line
 
 __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
 
@@ -169,7 +169,12 @@ class _Engine:
                 self._guard_missing_names(module, None)  # no adapter is known to fit: the guard stops the run
                 return
             if line is None:
-                return  # nothing to adapt: speculators absent or a release we do not serve
+                native = native_line(verdict.metadata_version)
+                if native is not None:  # speculators 0.5 to 0.9: `vllm serve`'s own processes, no generator to guard
+                    for cls in sorted(load_adapters().values(), key=lambda c: c.order):
+                        if cls.target == module.__name__ and cls.id not in self.applied:
+                            self._maybe_apply(cls, module, native)
+                return  # nothing else to adapt: speculators absent or a release we do not serve
             for cls in sorted(load_adapters().values(), key=lambda c: c.order):
                 if cls.target == module.__name__ and cls.id not in self.applied:
                     self._maybe_apply(cls, module, line)

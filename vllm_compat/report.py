@@ -140,8 +140,9 @@ def _verdict(plan: Plan, strict: bool, passes: bool, line_unknown: bool, refused
         if native and any(f.speculators in native for f in failing):
             notes.append(
                 f"{', '.join(native)}: speculators extracts through `vllm serve` (extract_hidden_states and a "
-                "hidden-states KV connector), and vllm-compat has no adapters for that path: pin a vLLM release this "
-                "report passes for the line (docs/compatibility.md, 'speculators 0.5 to 0.9')."
+                "hidden-states KV connector), and vllm-compat adapts only one thing there (the connector's CUDA-only "
+                "copy on vLLM's CPU platform, native-connector-on-cpu): pin a vLLM release this report passes for the "
+                "line (docs/compatibility.md, 'speculators 0.5 to 0.9')."
             )
     for note in notes:
         if note.startswith("not covered: "):  # one line, whole: names to search for, not prose

@@ -27,6 +27,7 @@ from tests.drift.test_capability import edit
 from vllm_compat import cli
 from vllm_compat.findings import State
 from vllm_compat.plan import Plan
+from vllm_compat.proof import proof_for
 
 pytestmark = pytest.mark.wheels
 
@@ -41,6 +42,7 @@ _CONNECTOR, _WRITE, _CREATION = (
     "native.connector.creation",
 )
 _SAVED, _RUNNER = "native.output.saved_file", "native.runner.extract_hidden_states"
+_COPY = "native.connector.device_copy"  # torch.cuda.Stream() and pin_memory=True: the lines cited
 _V1 = "native.import.distributed.kv_transfer.kv_connector.v1"
 _EXAMPLE_MODULE = f"{_V1}.example_hidden_states_connector"
 _EXAMPLE, _EXTRACT = f"{_EXAMPLE_MODULE}.ExampleHiddenStatesConnector", f"{_EXAMPLE_MODULE}.extract_from_kv_cache"
@@ -55,6 +57,7 @@ def each(lines: tuple[str, ...], probe: str, variant: str) -> tuple[Variant, ...
 # release -> every native finding whose variant is not baseline. Comments cite the release's own source.
 EXPECTED_VARIANTS: dict[str, set[Variant]] = {
     "0.16.0": {
+        *each(ALL, _COPY, "missing"),  # no kv_connector/v1/example_hidden_states_connector.py
         *each(ALL, _LAYER_IDS, "missing"),  # no vllm/v1/spec_decode/extract_hidden_states.py
         *each(ALL, "native.config.draft_hf_config", "ignored"),  # vllm/config/speculative.py:56
         *each(ALL, "native.connector.storage_path", "missing"),  # no kv_connector/v1/example_hidden_states_connector.py
@@ -123,59 +126,76 @@ EXPECTED_VARIANTS: dict[str, set[Variant]] = {
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/v1/spec_decode/extract_hidden_states.py:26
     },
     "0.22.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:209, :358
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:1977; vllm/v1/spec_decode/extract_hidden_states.py:28
     },
     "0.22.1": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:209, :358
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:1977; vllm/v1/spec_decode/extract_hidden_states.py:28
     },
     "0.23.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:209, :358
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:1982; vllm/v1/spec_decode/extract_hidden_states.py:28
     },
     "0.24.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:209, :351
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:1994; vllm/v1/spec_decode/extract_hidden_states.py:28
     },
     "0.25.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2042; vllm/v1/spec_decode/extract_hidden_states.py:29
     },
     "0.25.1": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2042; vllm/v1/spec_decode/extract_hidden_states.py:29
     },
     "0.26.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2127; vllm/v1/spec_decode/extract_hidden_states.py:29
     },
     "0.27.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2166; vllm/v1/spec_decode/extract_hidden_states.py:29
     },
     "0.27.1": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2166; vllm/v1/spec_decode/extract_hidden_states.py:29
     },
     "0.28.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:250, :394
         *each(ALL, _RUNNER, "v1_fallback"),  # vllm/config/vllm.py:2369; vllm/v1/spec_decode/extract_hidden_states.py:28
     },
     "0.29.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:243, :389
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:18
     },
     "0.30.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:244, :391
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:18
     },
     "0.31.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:256, :403
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:18
     },
     "0.32.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:256, :403
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:18
     },
     "0.33.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:256, :403
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:18
     },
     "0.34.0": {
+        *each(ALL, _COPY, "cuda_copy_stream"),  # kv_connector/v1/example_hidden_states_connector.py:257, :404
         *each(
             ALL, _CREATION, "after_warmup_in_process"
         ),  # vllm/v1/worker/extensible_kv_cache.py:489; kv_connector/v1/base.py:205
         *each(ALL, _RUNNER, "v2"),  # vllm/v1/worker/gpu/spec_decode/extract_hidden_states.py:20
     },
 }
-# variants a line runs with unchanged (the rest of each set is unhandled drift)
+# variants a line runs with unchanged, and drift an adapter covers (the rest of each set is unhandled drift)
 ACCEPTED = {"v1_fallback", "v2", "after_warmup_in_process"}
+COVERED = {(_COPY, "cuda_copy_stream"): "native-connector-on-cpu"}  # on vLLM's CPU platform; nothing on a GPU
 RELEASES = by_version(EXPECTED_VARIANTS)
 
 
@@ -200,7 +220,8 @@ def test_native_variants_are_exactly_the_table(plan_for, release: str) -> None:
     for f in plan.findings:
         assert f.state is not State.UNKNOWN, (f.probe, f.speculators, f.observed)  # every fact is decided
         assert (f.state is State.DRIFTED) == (f.variant not in ACCEPTED | {"baseline"}), (f.probe, f.variant)
-        assert f.adapter is None  # the native line has no adapters
+        assert f.adapter == COVERED.get((f.probe, f.variant))  # the native line's one adapter, for that drift only
+        assert f.handled is (f.variant in ACCEPTED | {"baseline"} or f.adapter is not None)
 
 
 def test_the_table_covers_every_release_from_0_18() -> None:
@@ -213,7 +234,10 @@ def test_the_table_covers_every_release_from_0_18() -> None:
 
 
 def passing(release: str, line: str) -> bool:
-    return not any(line == ln and variant not in ACCEPTED for _probe, ln, variant in EXPECTED_VARIANTS[release])
+    return not any(
+        line == ln and variant not in ACCEPTED and (probe, variant) not in COVERED
+        for probe, ln, variant in EXPECTED_VARIANTS[release]
+    )
 
 
 def test_which_releases_each_line_works_with() -> None:
@@ -232,10 +256,13 @@ def test_probe_cli_json_for_speculators_0_9_0(release: str, capsys) -> None:
     assert report["speculators_lines"] == [N09] and report["speculators_version"] == "0.9.0"
     got = {(f["probe"], f["speculators"], f["variant"]) for f in report["findings"] if f["variant"] != "baseline"}
     assert got == {v for v in EXPECTED_VARIANTS[release] if v[1] == N09}
-    assert len(report["findings"]) == 37  # every fact native-0.9 touches, baseline ones included
+    assert len(report["findings"]) == 38  # every fact native-0.9 touches, baseline ones included
     assert report["unknown"] == []
-    assert rc == (0 if passing(release, N09) else 1) and report["ok"] is (rc == 0)
-    assert report["proof"][0]["level"] == "code_only"  # no end-to-end run of the native line on record yet
+    covered = sorted({COVERED[(p, v)] for p, ln, v in EXPECTED_VARIANTS[release] if ln == N09 and (p, v) in COVERED})
+    assert report["adapters"] == covered
+    proof = proof_for(release, N09)  # the end-to-end record shipped with vllm-compat
+    assert report["proof"][0]["level"] == proof.level
+    assert rc == (0 if passing(release, N09) and proof.level != "failed" else 1) and report["ok"] is (rc == 0)
 
 
 # -- fail closed: one fact hs-connectors needs, edited out of a real tree --------------------------------------------
@@ -266,8 +293,10 @@ def assert_fails_closed(tree: Path, probe: str, hint: str) -> None:
     assert report["ok"] is False and probe in report["unhandled"]
     (finding,) = [f for f in report["findings"] if f["probe"] == probe]
     assert hint in finding["observed"] + finding["evidence"]
-    # the same edit leaves every other native fact as it was on the real release
-    assert {f["probe"] for f in report["findings"] if f["state"] == "drifted"} == {probe}
+    # the same edit leaves every other native fact as it was on the real release (the connector's CUDA-only copy
+    # there is drift native-connector-on-cpu covers)
+    assert {f["probe"] for f in report["findings"] if f["state"] == "drifted" and not f["handled"]} == {probe}
+    assert {f["probe"] for f in report["findings"] if f["handled"] and f["adapter"]} <= {_COPY}
 
 
 def test_write_tensors_renamed(vllm_tree) -> None:
@@ -322,3 +351,17 @@ def test_an_unreadable_fact_is_unknown_and_strict_fails_on_it(vllm_tree) -> None
     assert "UNKNOWN" in row
     assert "collects aux hidden states in no known way" in " ".join(strict.stdout.split())
     assert probe_cli(tree, "--strict").returncode == 1  # and without --allow-code-only: not proven end to end
+
+
+def test_a_cuda_only_copy_the_adapter_does_not_know(vllm_tree) -> None:
+    """vLLM 0.32.0, but the connector also calls torch.cuda.synchronize() before its copy: a CUDA-only call
+    native-connector-on-cpu does not replace, so the copy path is unhandled (on vLLM's CPU platform it would kill the
+    engine; the adapter refuses it at import there too: tests/unit/test_native_connector_adapter.py)."""
+    tree = vllm_tree("0.32.0")
+    edit(
+        tree,
+        _EXAMPLE_FILE,  # vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py:388 in 0.32.0
+        "        copy_stream.wait_event(ready_event)\n",
+        "        copy_stream.wait_event(ready_event)\n        torch.cuda.synchronize()\n",
+    )
+    assert_fails_closed(tree, _COPY, "torch.cuda.synchronize")

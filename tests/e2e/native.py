@@ -184,6 +184,17 @@ class Server:
         return list(seen)[:limit]
 
 
+_ADAPTED = re.compile(
+    r"vllm-compat: ExampleHiddenStatesConnector copies the states synchronously .*"
+    r"\(native-connector-on-cpu; pid (\d+)\)"
+)
+
+
+def adapted(log_text: str) -> list[int]:
+    """The pids of the server's processes where ``native-connector-on-cpu`` logged that it patched the connector."""
+    return sorted({int(m.group(1)) for m in _ADAPTED.finditer(log_text)})
+
+
 _LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR|WARNING|INFO) \d\d-\d\d [\d:]+ \[[^\]]*\] ")
 _ERROR_LINE = re.compile(r"^\w*(Error|Exception)\b.*:|^[\w.]+\.\w*(Error|Exception):|ValueError|Value error")
 _NOISE = ("Attempted to load weight", "ulimit", "Traceback")

@@ -7,8 +7,10 @@ builds its command from the installed hs-connectors backend), renders the conver
 sample to ``/v1/completions`` with ``max_tokens=1`` and moves the file named in ``kv_transfer_params`` into the
 output folder. Both commands run here as installed, on a tiny local Llama with a chat template, the server on the
 loopback interface with vLLM's defaults (bf16 on the CPU platform). Every saved file is then judged against
-transformers' float32 forward of the same token ids (tests/e2e/native.py, ``judge``). vllm-compat is not active in
-any of these processes: the native line has no adapters, and the run proves vLLM and speculators as they are.
+transformers' float32 forward of the same token ids (tests/e2e/native.py, ``judge``). The server runs under
+``vllm-compat run``, as a user runs ``vllm-compat run -- python scripts/launch_vllm.py ...``: on vLLM's CPU platform
+``native-connector-on-cpu`` makes the connector's copy off its cache synchronous (it needs CUDA streams, events and
+pinned memory from vLLM 0.22.0), and nothing else of vllm-compat applies there; the clients run without it.
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "NO_PROXY": "127.0.0.1,localhost",
         "no_proxy": "127.0.0.1,localhost",
     }
-    for name in ("VLLM_COMPAT_AUTO", "VLLM_COMPAT_E2E_REPORT"):
+    # the test session's VLLM_COMPAT_DISABLE (tests/conftest.py) would keep vllm-compat out of the server
+    for name in ("VLLM_COMPAT_AUTO", "VLLM_COMPAT_E2E_REPORT", "VLLM_COMPAT_DISABLE"):
         env.pop(name, None)
     port = native.free_port()
     kv_config = native.kv_transfer_config("file", staging)
@@ -115,8 +118,11 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # vLLM's own errors ask for before the flow can run (native.needed_serve_flags; on record, and in the docs)
     flags = native.needed_serve_flags()
     vllm_args = ["--host", "127.0.0.1", "--port", str(port), *flags]
+    # `vllm-compat run --`: vllm-compat is installed at start-up in every Python process of the server (the API
+    # server, and the engine core that makes the worker's connector)
+    wrapped = [str(Path(sys.executable).parent / "vllm-compat"), "run", "--"]
     server = native.Server(
-        native.serve_command(model, layer_ids, kv_config, vllm_args), port, work / "serve.log", env, work
+        [*wrapped, *native.serve_command(model, layer_ids, kv_config, vllm_args)], port, work / "serve.log", env, work
     )
     run: dict[str, Any] = {"speculators": release, "layer_ids": layer_ids, "kv_transfer_config": kv_config}
     speculators = str(Path(sys.executable).parent / "speculators")
@@ -143,12 +149,14 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         server.stop()
         run["serve_tail"] = server.tail(3000)
     run["serve_errors"] = server.errors()
+    run["adapted"] = native.adapted(server.log_file.read_text(errors="replace"))
     run.update(work=work, model=model, prepared=prepared, out=out)
     _record({
         "native_speculators": release, "native_vllm_args": list(flags),
         "native_server_ready_seconds": run.get("server_ready_seconds"),
         "native_prepare_seconds": run.get("prepare", {}).get("seconds"),
         "native_generate_seconds": run.get("generate", {}).get("seconds"), "native_serve_errors": run["serve_errors"],
+        "native_adapted": run["adapted"],
     })  # fmt: skip
     return run
 
@@ -176,6 +184,25 @@ def test_offline_data_generation_saves_every_sample(native_run: dict[str, Any]) 
         f"{native_run['serve_errors']}\ngenerate-offline-data's output ends:\n{generate['tail'][-1500:]}"
     )
     assert max(len(r) for r in rows) > 1000, "the long conversations did not come through"
+
+
+def test_the_connector_is_adapted_where_it_needs_cuda(native_run: dict[str, Any]) -> None:
+    """Where the installed connector's copy needs CUDA-only calls (vLLM 0.22.0 on), ``native-connector-on-cpu`` was
+    applied in the server's process that made the worker's connector (its own log line says so, with the pid); where
+    it needs none, nothing was patched."""
+    import ast
+
+    from vllm_compat.probes.native_connector import cuda_only_uses
+
+    source = native._vllm_source("distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py")
+    known, other = cuda_only_uses(ast.parse(source))
+    assert not other, other
+    adapted = native_run["adapted"]
+    if not known:
+        assert adapted == [], f"nothing to adapt in this vLLM's connector, yet: {adapted}"
+        pytest.skip("this vLLM's connector copies its states with nothing CUDA-only: nothing to adapt")
+    errors = native_run["serve_errors"]
+    assert adapted, f"native-connector-on-cpu was not applied in any server process; vllm serve's errors: {errors}"
 
 
 def test_saved_states_match_transformers(native_run: dict[str, Any]) -> None:

@@ -284,3 +284,35 @@ def test_the_guard_logs_one_summary_line_per_process(sandbox, caplog: pytest.Log
     message = lines[0].getMessage()
     assert "speculators 0.4.0.1 (line 0.4.0.1, judged from the metadata" in message
     assert "1 drift(s) covered by test-fake" in message and "0 unhandled" in message
+
+
+def test_the_native_line_gets_only_the_adapters_that_serve_it(sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    """speculators 0.9.0 installed (no generator code: the line comes from the metadata as ``native-0.9``): on import
+    of its target, an adapter serving 0.5 to 0.9 is applied (its run-time condition holds); the in-process adapter of
+    the same target, which serves 0.3 and 0.4, is not."""
+    engine, _ = sandbox
+    monkeypatch.setattr(engine_module, "judge_line", lambda: LineVerdict(None, "absent", "0.9.0"))
+    applied: list[str] = []
+
+    class NativeAdapter(Adapter):
+        """Marks vc_test_target for the native line."""
+
+        id = "test-native"
+        covers = {}
+        speculators = ">=0.5,<0.10"
+        always = "a run-time condition: always, in this test"
+        target = TARGET
+
+        def apply(self, module: types.ModuleType) -> None:
+            applied.append(self.id)
+            self.set_attr(module, "native_mark", True)
+
+    engine.install()
+    import vc_test_target
+
+    assert applied == ["test-native"] and vc_test_target.native_mark is True
+    assert vc_test_target.thing(3) == 3  # test-fake (0.4.0.1's) left alone
+    assert APPLY_CALLS == []
+    assert sorted(engine.status()["applied"]) == ["test-native"]
+    engine.uninstall()
+    assert not hasattr(vc_test_target, "native_mark")

@@ -248,6 +248,8 @@ def test_compatibility_page_has_the_native_section_from_real_wheels(gen_docs) ->
     native = page.split("## speculators 0.5 to 0.9: extraction through `vllm serve`")[1]
     assert "- **native-0.5** works, as probed, with vLLM **0.22.0 to 0.22.0**." in native
     assert "| 0.17.0 | **unhandled**: `native.config.layer_index` |" in native
-    assert "| 0.22.0 | works | works | works | works | works |" in native
+    cpu = "works (`native-connector-on-cpu` on CPU)"  # the connector's CUDA-only copy, adapted on vLLM's CPU platform
+    assert f"| 0.22.0 | {cpu} | {cpu} | {cpu} | {cpu} | {cpu} |" in native
+    assert "| `native.connector.device_copy` | 0.22.0: `cuda_copy_stream` |" in native
     assert "`native.config.layer_index` | 0.17.0: `before_layer` |" in native
     assert "## speculators 0.5" not in gen_docs.compatibility_page(plans, [], {}, None)  # only when asked for

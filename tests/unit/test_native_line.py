@@ -131,7 +131,7 @@ def test_a_vllm_without_the_native_path_fails_with_what_to_do(empty_tree: Path, 
     assert {f["speculators"] for f in report["findings"]} == {"native-0.9"}
     assert all(f["probe"].startswith("native.") for f in report["findings"])
     assert "native.config.method" in report["unhandled"]
-    assert report["adapters"] == []  # the native line has no adapters
+    assert report["adapters"] == []  # no connector: nothing for native-connector-on-cpu to cover
     assert report["proof"][0]["level"] == "code_only"
     rc = cli.main(["probe", "--source", str(empty_tree), "--speculators", "0.9.0"])
     table = " ".join(capsys.readouterr().out.split())
