@@ -514,7 +514,7 @@ class Slabs:
             candidates = [s for s in self.slabs if s is not keep and self._judged(s, released)]
             free = sorted((s for s in candidates if s.is_free()), key=lambda s: s.size)
             fitting = [s for s in free if s.size >= expected]
-            right = [s for s in fitting if s.size <= OVERSIZE * expected]
+            right = [s for s in fitting if s.size <= _round(OVERSIZE * expected)]  # whole 2 MiB, as slabs are
             spares = (right + [s for s in fitting if s not in right])[: self.spares()]
             extra = [s for s in free if s not in spares]
             for slab in extra:
