@@ -398,3 +398,64 @@ def _frees_before_adds(execute: ast.AST, frees_at: dict[str, int], adds_at: dict
     if not free_call or not add_call:
         return None
     return min(free_call) < min(add_call)
+
+
+V2_WORKER = "vllm.v1.worker.gpu_worker.Worker"
+WORKER_PROC = "vllm.v1.executor.multiproc_executor.WorkerProc"
+
+
+@probe(
+    "model_runner.v2_async_output",
+    symbol=f"{WORKER_PROC}.handle_output",
+    summary="under Model Runner V2, async scheduling only moves each worker's wait for a step's output to a thread",
+    expected=dict.fromkeys(LINES, "no Model Runner V2, or one that async scheduling leaves as it is"),
+    accepts={key: {BASELINE, ABSENT, "changed"} for key in LINES},
+)
+def v2_async_output(view: ApiView) -> Observation:
+    """What ``SchedulerConfig.async_scheduling`` changes in a worker that runs Model Runner V2.
+
+    Model Runner V2 always copies a step's output off the GPU asynchronously; neither it nor the GPU worker reads
+    the flag. The worker process reads it: off, its busy loop waits for each step's output before it reads the next
+    RPC (the GPU idles while the next step is prepared); on, vLLM's output thread waits and the loop goes on, as in
+    vLLM's own engine. ``async-output-under-v2`` leaves the flag on where this holds; where the runner or the worker
+    reads the flag (``changed``), it stays off (drift here costs speed, not correctness, so it is never refused)."""
+    if not view.has_module(V2_MODULE):
+        return Observation(ABSENT, "no Model Runner V2 in this release")
+    runner = parse_source(view, V2_RUNNER)
+    worker = parse_source(view, V2_WORKER)
+    proc = parse_source(view, WORKER_PROC)
+    if None in (runner, worker, proc):
+        return Observation.unknown(f"{V2_RUNNER}, {V2_WORKER} or {WORKER_PROC} is not readable")
+    assert runner and worker and proc  # for the type checker
+    readers = [
+        name for name, (tree, _) in ((V2_RUNNER, runner), (V2_WORKER, worker)) if _reads(tree, "async_scheduling")
+    ]
+    methods = {n.name: n for n in ast.walk(proc[0]) if isinstance(n, ast.FunctionDef)}
+    handle = methods.get("handle_output")
+    threaded = (
+        handle is not None
+        and _reads(handle, "use_async_scheduling")
+        and "async_output_busy_loop" in methods
+        and _reads(methods.get("__init__", handle), "async_scheduling")
+    )
+    where = (
+        evidence(proc[1], "handle_output: the step's output to vLLM's output thread where async scheduling is on"),
+    )
+    problems = []
+    if readers:
+        problems.append(f"{', '.join(readers)} read async_scheduling: what it changes there is not known")
+    if not threaded:
+        problems.append("WorkerProc does not hand a step's output to an output thread under async scheduling")
+    if problems:
+        return Observation("changed", "; ".join(problems), where)
+    return Observation(
+        BASELINE,
+        "Model Runner V2 and the GPU worker do not read async_scheduling; WorkerProc waits for a step's output in "
+        "its output thread where it is on, in its busy loop where it is off",
+        where,
+    )
+
+
+def _reads(tree: ast.AST, attribute: str) -> bool:
+    """Whether ``tree`` reads an attribute named ``attribute`` anywhere (``x.async_scheduling``)."""
+    return any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(tree))

@@ -25,6 +25,7 @@ from vllm_compat.lines import judge_line
 from vllm_compat.models import ENV_FAMILIES, active_families, model_families
 from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
+from vllm_compat.runners import facts_hold
 from vllm_compat.status_text import Status
 from vllm_compat.versions import installed_version, native_line
 
@@ -228,6 +229,10 @@ class _Engine:
                 reasons.append(f"{probe_id}: {finding.observed}")
         if not reasons:
             return
+        failing = self._facts_failing(cls, line) if cls.companion_of else []
+        if failing:  # a companion whose own facts do not hold stays off; its principal's path works without it
+            logger.info("vllm-compat: %s not applied: %s", cls.id, ", ".join(failing))
+            return
         adapter = cls()
         adapter.reason = "; ".join(reasons)
         try:
@@ -247,6 +252,14 @@ class _Engine:
         self.applied[cls.id] = adapter
         self.pass_through.pop(cls.id, None)  # its wrappers were switched on again, not stacked (patching.wrap)
         logger.debug("vllm-compat applied adapter %s (%s)", cls.id, adapter.reason)  # the guard's summary says it once
+
+    def _facts_failing(self, cls: type[Adapter], line: str) -> list[str]:
+        """The facts of ``cls.relies_on`` that do not hold for ``line`` (``probe: variant``), observed once."""
+        if not cls.relies_on:
+            return []
+        probes = load_probes()
+        make_plan(self.view(), (line,), [p for p in cls.relies_on if p in probes], cache=self.observations)
+        return facts_hold(cls.relies_on, self.observations, line)[1]
 
     def _finding(self, probe_id: str, line: str):
         probe = load_probes().get(probe_id)

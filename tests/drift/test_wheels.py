@@ -231,6 +231,7 @@ EXPECTED_BASELINE: dict[str, set[Drift]] = {
         ("model.embedding_method", V030, "get_input_embeddings"),  # vllm/model_executor/models/llama.py:378
         ("kv_cache.config_from_groups_kwargs", V030, "baseline"),  # vllm/v1/core/kv_cache_utils.py:1004-1007
         ("config.model_runner_default", V030, "baseline"),  # no vllm/v1/worker/gpu/ yet
+        ("model_runner.v2_async_output", V040, "absent"),  # no vllm/v1/worker/gpu/ yet
     },
     "0.11.1": {
         # vllm/config/scheduler.py:85 max_model_len: InitVar[int] = 8192, :91 is_encoder_decoder: InitVar[bool] = False
@@ -251,8 +252,16 @@ EXPECTED_BASELINE: dict[str, set[Drift]] = {
         ("request.request_kwargs", V040, "baseline"),  # vllm/v1/request.py:65 eos_token_id: int | None
         ("executor.warmup_in_initialize", V040, "baseline"),  # vllm/v1/executor/abstract.py:112-118
     },
+    "0.22.0": {
+        # vllm/v1/worker/gpu/model_runner.py:138 use_async_scheduling: V2 reads the flag itself (async output stays off)
+        ("model_runner.v2_async_output", V040, "changed"),
+    },
     "0.23.0": {
         ("platform.cpu_block_size", V040, "multiple_of_16"),  # vllm/v1/attention/backends/cpu_attn.py:59 MultipleOf(16)
+    },
+    "0.26.0": {
+        # vllm/v1/executor/multiproc_executor.py:958 handle_output: the output thread where async scheduling is on
+        ("model_runner.v2_async_output", V040, "baseline"),
     },
     "0.33.0": {
         # vllm/v1/core/kv_cache_utils.py:953 get_request_block_hasher(hash_block_size, caching_hash_fn,
@@ -269,6 +278,7 @@ EXPECTED_BASELINE: dict[str, set[Drift]] = {
         # vllm/v1/engine/core.py:272: extend_kv_cache, disable_extensible_kv_cache, ... each reviewed
         ("engine.startup_steps", V030, "baseline"),
         ("engine.startup_steps", V040, "baseline"),
+        ("model_runner.v2_async_output", V030, "baseline"),  # vllm/v1/executor/multiproc_executor.py:1161
     },
 }
 
@@ -284,6 +294,7 @@ EXPECTED_EVIDENCE: dict[tuple[str, str, str], str] = {
     ("0.33.0", "platform.cpu_block_size", V040): "vllm/v1/attention/backends/cpu_attn.py:",
     ("0.34.0", "kv_cache.commitment", V040): "vllm/config/vllm.py:3180",
     ("0.34.0", "engine.startup_steps", V030): "vllm/v1/engine/core.py:272",
+    ("0.34.0", "model_runner.v2_async_output", V040): "vllm/v1/executor/multiproc_executor.py:",
 }
 
 RELEASES = by_version(EXPECTED_DRIFT)

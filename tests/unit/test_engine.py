@@ -316,3 +316,41 @@ def test_the_native_line_gets_only_the_adapters_that_serve_it(sandbox, monkeypat
     assert sorted(engine.status()["applied"]) == ["test-native"]
     engine.uninstall()
     assert not hasattr(vc_test_target, "native_mark")
+
+
+def test_a_companion_applies_only_where_its_own_facts_hold(sandbox) -> None:
+    """A companion (async-output-under-v2, say) goes with its principal, and only where its relies_on facts hold;
+    where one does not, the principal applies alone."""
+    engine, _ = sandbox
+    fact = {"variant": "baseline"}
+
+    @probe("test.companion_fact", symbol="vc_test_target.thing", summary="a fact", expected={"0.4.0.1": "it holds"})
+    def companion_fact(view) -> Observation:
+        return Observation(fact["variant"], f"variant {fact['variant']}", ("vc_test_target.py:2",))
+
+    class Companion(Adapter):
+        """Adds one to vc_test_target.thing's result, outside test-fake's wrapper."""
+
+        id = "test-companion"
+        covers: dict = {}
+        companion_of = "test-fake"
+        relies_on = {"test.companion_fact": {"baseline"}}
+        target = TARGET
+        order = 1
+
+        def apply(self, module: types.ModuleType) -> None:
+            APPLY_CALLS.append(self.id)
+            self.wrap(module, "thing", lambda wrapped, instance, args, kwargs: 1 + wrapped(*args, **kwargs))
+
+    engine.install()
+    import vc_test_target
+
+    assert vc_test_target.thing(3) == 7  # both
+    assert APPLY_CALLS == ["test-fake", "test-companion"]
+    engine.uninstall()
+    fact["variant"] = "changed"
+    APPLY_CALLS.clear()
+    engine.install()
+    assert vc_test_target.thing(3) == 6  # the principal alone
+    assert APPLY_CALLS == ["test-fake"]
+    assert "test-companion" not in engine.status()["applied"]
