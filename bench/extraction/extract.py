@@ -207,6 +207,9 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
     steps = getattr(generator.executor, "_vllm_compat_steps", None)  # vllm-compat's steps-in-flight, where it runs
     result["steps_in_flight"] = None if steps is None else {"depth": steps.depth, "peak": steps.peak}
     log(out, name, f"engine steps in flight: {result['steps_in_flight'] or 'one at a time'}")
+    scheduler_config = getattr(getattr(generator, "vllm_config", None), "scheduler_config", None)
+    result["async_scheduling"] = getattr(scheduler_config, "async_scheduling", None)  # on: workers' output thread
+    log(out, name, f"async scheduling (where each worker waits for a step's output): {result['async_scheduling']}")
     # speculators' copy of the returned states where it really copies (without the hand-over): timed alone
     copy_seconds = []
     for _ in range(2):
