@@ -2,27 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
-from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
 from tests.e2e.conftest import TOLERANCE, max_diff, run_extract, transformers_states
+from tests.e2e.report import record
 from vllm_compat.versions import installed_version
 
 pytestmark = pytest.mark.e2e
-REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")  # where the matrix runner collects per-cell numbers
-
-
-def _record(name: str, value: object) -> None:
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = value
-        path.write_text(json.dumps(data, indent=2))
 
 
 def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> None:
@@ -31,11 +21,11 @@ def test_states_match_transformers(tiny_model, calls, reference, tmp_path) -> No
     assert run.returncode == 0, run.stderr
     assert run.data["vllm_dtype"] == "torch.float32"
     diff = max_diff(run.data["outputs"], calls, reference)
-    _record("max_abs_diff", diff)
-    _record("init_seconds", run.data["init_seconds"])
-    _record("call_seconds", run.data["call_seconds"])
-    _record("applied", sorted(run.data["status"]["applied"]))
-    _record("worker_applied", sorted(run.data["workers"][0]["applied"]))
+    record("max_abs_diff", diff)
+    record("init_seconds", run.data["init_seconds"])
+    record("call_seconds", run.data["call_seconds"])
+    record("applied", sorted(run.data["status"]["applied"]))
+    record("worker_applied", sorted(run.data["workers"][0]["applied"]))
     assert diff < TOLERANCE
     assert not run.data["prefix_caching"] and not run.data["block_hasher"], "no block hashes for a cache that is off"
     # the generator sent each step before the last one's reply: two in flight (a call's prompts span several steps),
@@ -95,7 +85,7 @@ def test_one_step_at_a_time_where_asked(tiny_model, calls, reference, tmp_path) 
     assert run.returncode == 0, run.stderr
     assert run.data["steps_in_flight"] is None
     diff = max_diff(run.data["outputs"], calls, reference)
-    _record("one_step_at_a_time_max_abs_diff", diff)
+    record("one_step_at_a_time_max_abs_diff", diff)
     assert diff < TOLERANCE
 
 
@@ -109,7 +99,7 @@ def test_fallback_extension_without_plugin(tiny_model, calls, reference, tmp_pat
         assert "vllm_compat.worker.HiddenStatesWorkerExtension" in worker["extensions"], worker
     assert_route(run.data, "worker-extension-fallback", "vllm_compat.worker.HiddenStatesWorkerExtension")
     diff = max_diff(run.data["outputs"], calls[:2], reference)
-    _record("fallback_max_abs_diff", diff)
+    record("fallback_max_abs_diff", diff)
     assert diff < TOLERANCE
     assert_variables_reach_the_workers_only(run.data)
 
@@ -119,14 +109,14 @@ def test_without_vllm_compat_it_breaks(tiny_model, calls, reference, tmp_path) -
     run = run_extract(tiny_model, calls, tmp_path, compat=False)
     if run.returncode != 0:
         last = [line for line in run.stderr.strip().splitlines() if line.strip()][-1:]
-        _record("without_compat", f"fails: {last[0] if last else run.returncode}")
+        record("without_compat", f"fails: {last[0] if last else run.returncode}")
         return
     try:
         diff = max_diff(run.data["outputs"], calls, reference)
     except AssertionError as exc:
-        _record("without_compat", f"wrong results: {exc}")
+        record("without_compat", f"wrong results: {exc}")
         return
-    _record("without_compat", f"max abs diff {diff:.2e}")
+    record("without_compat", f"max abs diff {diff:.2e}")
     assert diff >= TOLERANCE, "without vllm-compat the states were right: this release needs no adapter"
 
 
@@ -143,7 +133,7 @@ def test_tensor_parallel_2(tiny_model, calls, reference, tmp_path) -> None:
     assert all(w["plugin_loaded"] and w["installed"] for w in run.data["workers"])
     assert len({w["pid"] for w in run.data["workers"]}) == 2
     diff = max_diff(run.data["outputs"], calls[:2], reference)
-    _record("tp2_max_abs_diff", diff)
+    record("tp2_max_abs_diff", diff)
     assert diff < TOLERANCE
 
 
@@ -163,8 +153,8 @@ def test_any_batch_size(tiny_model, tmp_path) -> None:
     assert run.returncode == 0, run.stderr
     assert [len(results) for results in run.data["outputs"]] == list(sizes)
     diff = max_diff(run.data["outputs"], calls, transformers_states(tiny_model, calls))
-    _record("batch_sizes_max_abs_diff", diff)
-    _record("batch_sizes_call_seconds", run.data["call_seconds"])
+    record("batch_sizes_max_abs_diff", diff)
+    record("batch_sizes_call_seconds", run.data["call_seconds"])
     assert diff < TOLERANCE
 
 
@@ -196,5 +186,5 @@ def test_the_line_is_judged_from_the_code(tiny_model, calls, reference, tmp_path
     assert f"speculators {other} (line {code.line}, judged from its code" in summary[0]
     assert "drift(s) covered by" in summary[0] and "0 unhandled" in summary[0]
     diff = max_diff(run.data["outputs"], calls[:2], reference)
-    _record("line_from_code_max_abs_diff", diff)
+    record("line_from_code_max_abs_diff", diff)
     assert diff < TOLERANCE

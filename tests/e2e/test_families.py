@@ -47,11 +47,11 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import LAYERS, TOLERANCE, max_diff
+from tests.e2e.report import record
 from tests.e2e.tiny_families import TOKEN_RANGE
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
-REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,6 @@ BF16_TOLERANCE = 3e-2
 def _calls(tokens: tuple[int, int] = (4, 512)) -> list[list[list[int]]]:
     rng = random.Random(4321)
     return [[[rng.randrange(*tokens) for _ in range(n)] for n in (5, 37, 100, 11)]]
-
-
-def _record(name: str, value: object) -> None:
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = value
-        path.write_text(json.dumps(data, indent=2))
 
 
 # Runs the generator as a user's script would (tests/e2e/extract.py), after the harness settings. A separate
@@ -207,7 +199,7 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     if not hasattr(transformers, case.config_class):
         pytest.skip(f"transformers {transformers.__version__} has no {case.config_class}")
     if case.module and (error := _import_error(case.module, tmp_path)):
-        _record(f"family_{family}", f"skipped: vLLM's model module does not import here: {error}")
+        record(f"family_{family}", f"skipped: vLLM's model module does not import here: {error}")
         pytest.skip(f"vLLM's {case.module} does not import here: {error}")
     from tests.e2e.tiny_families import build_tiny
 
@@ -243,12 +235,12 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
         assert "UnhandledDrift" in done.stderr and "before the model loads" in done.stderr, done.stderr[-3000:]
         for probe in verdict["unhandled"]:
             assert probe in done.stderr
-        _record(f"family_{family}", f"refused before loading: {', '.join(verdict['unhandled'])}")
+        record(f"family_{family}", f"refused before loading: {', '.join(verdict['unhandled'])}")
         return
     output = done.stdout + done.stderr  # vLLM's workers log their errors on stdout
     if done.returncode != 0 and family != "qwen3" and _cpu_backend_limit(output):
         why = _last_error(output) + ("" if dtype == "float32" else f" (in bfloat16; in float32: {BF16_ONLY})")
-        _record(f"family_{family}", f"vLLM's CPU build cannot run it: {why}")
+        record(f"family_{family}", f"vLLM's CPU build cannot run it: {why}")
         pytest.skip(f"vLLM's CPU build cannot run {family}: {why}")
     assert done.returncode == 0, output[-6000:]
     import torch
@@ -258,13 +250,13 @@ def test_family_states_match_transformers(family: str, tmp_path: Path) -> None:
     reference = _reference(family, model, calls, weights=dtype)
     diff = max_diff(data["outputs"], calls, reference)
     if dtype == "float32":
-        _record(f"family_{family}_max_abs_diff", diff)
+        record(f"family_{family}_max_abs_diff", diff)
         assert diff < TOLERANCE
         return
     scale = max(state.abs().max().item() for states in reference.values() for state in states)
     print(f"{family} in {dtype}: max abs diff {diff:.4g}, largest |state| {scale:.4g}, relative {diff / scale:.4g}")
-    _record(f"family_{family}_{dtype}_max_abs_diff", diff)
-    _record(f"family_{family}_{dtype}_relative_diff", diff / scale)
+    record(f"family_{family}_{dtype}_max_abs_diff", diff)
+    record(f"family_{family}_{dtype}_relative_diff", diff / scale)
     assert diff < BF16_TOLERANCE * scale
 
 

@@ -28,20 +28,12 @@ from typing import Any
 import pytest
 
 from tests.e2e import native
+from tests.e2e.report import record_all
 
 pytestmark = pytest.mark.e2e
-REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
 CONVERSATIONS = 24
 SEQ_LENGTH = 2048  # prepare-data's --seq-length (its default, 8192, is above the tiny model's 4096 positions)
-
-
-def _record(values: dict[str, Any]) -> None:
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data.update(values)
-        path.write_text(json.dumps(data, indent=2))
 
 
 def _native_release() -> str:
@@ -143,7 +135,7 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             )  # fmt: skip
     except RuntimeError as exc:  # the server did not come up: its errors are the record's excerpt
         run["serve_errors"] = server.errors()
-        _record({"native_serve_errors": run["serve_errors"]})
+        record_all({"native_serve_errors": run["serve_errors"]})
         raise RuntimeError(f"{exc}\nvllm serve's errors: {run['serve_errors']}") from None
     finally:
         server.stop()
@@ -151,7 +143,7 @@ def native_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     run["serve_errors"] = server.errors()
     run["adapted"] = native.adapted(server.log_file.read_text(errors="replace"))
     run.update(work=work, model=model, prepared=prepared, out=out)
-    _record({
+    record_all({
         "native_speculators": release, "native_vllm_args": list(flags),
         "native_server_ready_seconds": run.get("server_ready_seconds"),
         "native_prepare_seconds": run.get("prepare", {}).get("seconds"),
@@ -176,7 +168,7 @@ def test_offline_data_generation_saves_every_sample(native_run: dict[str, Any]) 
     generate = native_run["generate"]
     assert generate["rc"] == 0, f"speculators generate-offline-data exited {generate['rc']}:\n{generate['tail']}"
     rows, files = _saved(native_run)
-    _record({"native_samples": len(files), "native_rows": len(rows)})
+    record_all({"native_samples": len(files), "native_rows": len(rows)})
     assert len(rows) == CONVERSATIONS, f"prepare-data kept {len(rows)} of {CONVERSATIONS} conversations"
     missing = sorted(set(range(len(rows))) - set(files))
     assert not missing, (
@@ -216,7 +208,7 @@ def test_saved_states_match_transformers(native_run: dict[str, Any]) -> None:
     rows, files = _saved(native_run)
     samples = [(rows[i], load_file(str(files[i]))) for i in sorted(files)]
     verdict = native.judge(native_run["model"], samples, native_run["layer_ids"])
-    _record({"native_judgement": verdict})
+    record_all({"native_judgement": verdict})
     table = "\n".join(
         f"  layer id {x['layer_id']}: vLLM {x['vllm']:.4f}, transformers bf16 {x['hf_bf16']:.4f}, bound "
         f"{x['bound']:.4f}, nearest other layer {x['nearest_other']}"

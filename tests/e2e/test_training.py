@@ -27,25 +27,17 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import BF16_RELATIVE_TOLERANCE, TOLERANCE
+from tests.e2e.report import record
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
 PIPELINE = HERE / "train_pipeline.py"
-REPORT = os.environ.get("VLLM_COMPAT_E2E_REPORT")
 LAYER_IDS = (0, 1, 2, 3)  # three auxiliary layers for EAGLE-3's fusion, then the last one (the verifier's states)
 DRAFT_VOCAB = 64
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
 CONFIG_ADAPTERS = {"speculator-config-init", "speculator-config-schema", "speculator-config-validate"}
 SAMPLES = 36  # one call of them all: more than the 32 sequences speculators' scheduler runs at once
 SCRIPT_BATCH_SIZE = 8  # data_generation_offline.py's default --batch-size
-
-
-def _record(name: str, value: object) -> None:
-    if REPORT:
-        path = Path(REPORT)
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = value
-        path.write_text(json.dumps(data, indent=2))
 
 
 def _transformers_major() -> int:
@@ -206,7 +198,7 @@ def test_samples_are_saved_as_speculators_saves_them(pipeline: dict[str, Any]) -
     assert (pipeline["data"] / "data_config.json").exists()
     assert (pipeline["data"] / "sample_lengths.json").exists() == (generated["line"] == "0.4.0.1")
     worst, _relative = compare_samples(pipeline["data"], pipeline["model"])
-    _record("training_samples_max_abs_diff", worst)
+    record("training_samples_max_abs_diff", worst)
     assert worst < TOLERANCE
 
 
@@ -255,8 +247,8 @@ def test_the_scripts_defaults(pipeline: dict[str, Any], script_defaults: dict[st
         if torch.accelerator.current_accelerator() is not None and generated["line"] == "0.4.0.1":
             assert "accelerator-name-without-driver" in generated["status"]["applied"]
     worst, relative = compare_samples(script_defaults["data"], pipeline["model"])
-    _record("script_defaults_bf16_max_abs_diff", worst)
-    _record("script_defaults_bf16_max_relative_diff", relative)
+    record("script_defaults_bf16_max_abs_diff", worst)
+    record("script_defaults_bf16_max_relative_diff", relative)
     assert relative < BF16_RELATIVE_TOLERANCE
 
 
@@ -271,10 +263,10 @@ def test_vocabulary_mapping(pipeline: dict[str, Any]) -> None:
 
 def test_speculators_trainer_steps_and_saves(pipeline: dict[str, Any]) -> None:
     trained = pipeline["train"]
-    _record("training_steps", trained["steps"])
-    _record("training_loss", [m["loss"] for m in trained["train_metrics"]])
-    _record("training_seconds", trained["seconds"])
-    _record("training_applied", sorted(trained["status"].get("applied", {})))
+    record("training_steps", trained["steps"])
+    record("training_loss", [m["loss"] for m in trained["train_metrics"]])
+    record("training_seconds", trained["seconds"])
+    record("training_applied", sorted(trained["status"].get("applied", {})))
     assert trained["status"]["installed"]
     assert trained["attention_max_abs_diff"] < 1e-5, "the dense stand-in differs from FlexAttention"
     assert trained["steps"] >= 1
@@ -350,7 +342,7 @@ def test_training_without_vllm_compat(pipeline: dict[str, Any]) -> None:
     """Without vllm-compat, speculators' training breaks exactly where transformers 5 is installed."""
     done, _report = run_stage("train", pipeline["train_args"], pipeline["work"], compat=False)
     last = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:]
-    _record("training_without_compat", "passes" if done.returncode == 0 else f"fails: {last[0] if last else ''}")
+    record("training_without_compat", "passes" if done.returncode == 0 else f"fails: {last[0] if last else ''}")
     if _transformers_major() >= 5:
         assert done.returncode != 0
     else:
