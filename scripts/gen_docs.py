@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate docs/compatibility.md and docs/adapters.md from real probe runs and the adapters' own metadata.
 
-    python scripts/gen_docs.py                                  # probe every vLLM release 0.11.0..0.33.0, write both
+    python scripts/gen_docs.py                                  # probe every vLLM release 0.11.0..0.34.0, write both
     python scripts/gen_docs.py --e2e-report matrix.json         # the end-to-end results of another matrix run
     python scripts/gen_docs.py --check                          # exit 1 if the pages are not up to date
 
@@ -57,7 +57,7 @@ def matrix_module():
     return module
 
 
-# Every vLLM release published from 0.11.0 to 0.33.0, patch releases included: users pin those too, and they drift
+# Every vLLM release published from 0.11.0 to 0.34.0, patch releases included: users pin those too, and they drift
 # (0.11.1 already does for speculators 0.3.0). One list for the probes and the matrix: RELEASES in e2e_matrix.py.
 DEFAULT_VERSIONS = list(matrix_module().RELEASES)
 COMMAND = "python scripts/gen_docs.py"
@@ -760,7 +760,7 @@ def readme_with_summary(readme: str, summary: str) -> str:
 # -- main -----------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("versions", nargs="*", metavar="VERSION", help="vLLM releases (default: all, 0.11.0 to 0.33.0)")
+    parser.add_argument("versions", nargs="*", metavar="VERSION", help="vLLM releases (default: all, 0.11.0 to 0.34.0)")
     parser.add_argument("--cache", type=Path, help="wheel cache folder (default: $VLLM_COMPAT_CACHE or ~/.cache)")
     parser.add_argument("--e2e-report", type=Path, help="the JSON written by scripts/e2e_matrix.py --report")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where to write the pages (default: docs/)")

@@ -13,7 +13,7 @@ from vllm_compat.versions import VLLM_SERVED, line_kind, served_range
 
 __all__ = ["render_json", "render_table"]
 
-SERVED = f"{VLLM_SERVED[0].rsplit('.', 1)[0]} to {VLLM_SERVED[1].rsplit('.', 1)[0]}"  # "0.11 to 0.33"
+SERVED = f"{VLLM_SERVED[0].rsplit('.', 1)[0]} to {VLLM_SERVED[1].rsplit('.', 1)[0]}"  # "0.11 to 0.34"
 
 
 def render_json(
