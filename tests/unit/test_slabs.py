@@ -124,6 +124,21 @@ def test_a_slab_is_registered_in_pieces_and_unregistered_whole(fake_cuda, monkey
     assert cudart.registered == {}
 
 
+def test_a_slab_closed_in_the_background_unregisters_with_pauses(fake_cuda, monkeypatch) -> None:
+    """Each piece's unregistration holds the driver's lock the worker's steps launch under: between pieces, the
+    closing thread sleeps, as registering does; a slab closed at shutdown does not wait."""
+    monkeypatch.setattr(slabs, "PIN_PIECE", 2 * MIB)
+    cudart = fake_cuda(FakeCudart())
+    sleeps: list[float] = []
+    monkeypatch.setattr(slabs.time, "sleep", sleeps.append)
+    for background, pauses in ((True, 3), (False, 0)):
+        slab = transport.Slab.make(8 * MIB, device=0, pin=True)
+        sleeps.clear()
+        slab.close(background=background)
+        assert cudart.registered == {}
+        assert sleeps == [slabs._PIN_PAUSE] * pauses, "a pause between each two of the four pieces, in the background"
+
+
 def test_a_failed_piece_leaves_nothing_registered(fake_cuda, monkeypatch) -> None:
     monkeypatch.setattr(slabs, "PIN_PIECE", 2 * MIB)
     cudart = fake_cuda(FakeCudart(fail_at=3))
