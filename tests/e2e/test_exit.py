@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import child_env
-from tests.e2e.test_extraction import _record
+from tests.e2e.report import record
 
 pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
@@ -42,4 +42,4 @@ def test_exit_with_a_live_generator_is_quiet(tiny_model, tmp_path) -> None:
     for noise in ("Exception ignored", "Traceback", "SIGTERM", "SIGKILL", "still running", "nanobind: leaked"):
         assert noise not in output, f"{noise!r} at exit:\n{output[-4000:]}"
     last_line = float(next(line for line in done.stdout.splitlines() if line.startswith("last line at")).split()[-1])
-    _record("exit_seconds", round(ended - last_line, 2))  # measured, not asserted: bench/ is for speed
+    record("exit_seconds", round(ended - last_line, 2))  # measured, not asserted: bench/ is for speed

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_extraction import _record
+from tests.e2e.report import record
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict:
         done, seconds = probe("--json", "--family", "all", *args, cwd=cwd)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         out[name] = json.loads(done.stdout)  # the whole of stdout: one JSON object, nothing else
-        _record(f"probe_{name}_seconds", round(seconds, 2))
+        record(f"probe_{name}_seconds", round(seconds, 2))
     return out
 
 
@@ -66,7 +66,7 @@ def test_static_and_live_find_the_same(reports: dict) -> None:
             continue
         want = static[key]
         assert (seen["state"], seen["variant"], seen["evidence"]) == (want["state"], want["variant"], want["evidence"])
-    _record("probe_live_not_importable", sorted(not_importable))
+    record("probe_live_not_importable", sorted(not_importable))
     assert len(not_importable) < len({k[0] for k in live}) // 4, "most facts must be established both ways"
     if not not_importable:
         for key in ("adapters", "unhandled", "unknown", "ok"):
