@@ -51,7 +51,8 @@ class AsyncSchedulingOff(Adapter):
     What broke: from vLLM 0.14.0 ``SchedulerConfig.async_scheduling`` defaults to None and
     ``VllmConfig.__post_init__`` turns it on for the uni/mp executors. Workers then keep sampled tokens on the
     device and expect the AsyncScheduler's placeholders, while speculators drives the plain Scheduler and never
-    feeds outputs back. Prefill-only extraction gains nothing from overlap.
+    feeds outputs back (Model Runner V1). Under Model Runner V2, where the flag only moves each worker's wait for a
+    step's output to vLLM's output thread, ``async-output-under-v2`` leaves it to vLLM again.
     Where fixed: speculators' SchedulerConfig call (``async_scheduling=False`` unless it asked otherwise); the
     keyword exists in every release from 0.11.0.
     """
