@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import traceback
 from types import ModuleType
 from typing import Any
 
@@ -87,10 +88,15 @@ class ConstructorChecks(Adapter):
     huggingface_hub with "Repo id must be in the form 'repo_name' or 'namespace/repo_name'". And a constructor that
     fails after ``MultiprocExecutor`` started (KV-cache planning, say) leaves the workers running until the
     half-built generator is garbage-collected, which a caller holding the exception (and so its traceback) delays
-    indefinitely.
+    indefinitely. Tensor parallel on vLLM's CPU build, on a machine with fewer NUMA nodes than ranks (one, on most
+    laptops, VMs and containers), stops with vLLM's ``AssertionError: Not enough allowed NUMA nodes to bind threads``
+    under vllm-compat's wrapper frames, and nothing names the variable that fixes it.
     Where fixed: around the constructor: bad layer ids, a default that does not fit the model and a missing local
     folder raise before anything loads; on any failure after the executor started, the executor is shut down
-    before the error propagates. Repeated and unsorted layer ids are valid requests: ``states-per-requested-layer``
+    before the error propagates; vLLM's NUMA-binding assertion becomes a RuntimeError that names
+    ``VLLM_CPU_OMP_THREADS_BIND`` first and vLLM's frame that raised (vLLM 0.20.0 on asserts in the generator's
+    process, in ``vllm/utils/ompmultiprocessing.py``; earlier releases in the worker, where this cannot reach).
+    Repeated and unsorted layer ids are valid requests: ``states-per-requested-layer``
     returns one state per id, in the order asked.
     """
 
@@ -119,9 +125,31 @@ class ConstructorChecks(Adapter):
                 raise
             except BaseException as exc:
                 shut_down_and_note(instance, exc)
+                if isinstance(exc, AssertionError) and NUMA_BINDING in str(exc):
+                    raise RuntimeError(cpu_binding_message(exc)) from exc
                 raise
 
         self.wrap(module, "VllmHiddenStatesGenerator.__init__", init)
+
+
+NUMA_BINDING = "NUMA nodes to bind threads"  # vLLM's assertion when its CPU ranks outnumber the NUMA nodes allowed
+
+
+def cpu_binding_message(error: BaseException) -> str:
+    """What to do when vLLM's CPU build could not bind each rank's threads to a NUMA node of its own, naming the
+    variable first and vLLM's frame that raised (a reader of the traceback otherwise sees vllm-compat's wrappers)."""
+    frame = traceback.extract_tb(error.__traceback__)[-1:] if error.__traceback__ else []
+    where = ""
+    if frame:
+        file = frame[0].filename.replace("\\", "/")
+        file = "vllm/" + file.rsplit("/vllm/", 1)[1] if "/vllm/" in file else os.path.basename(file)
+        where = f" in {file}:{frame[0].lineno} ({frame[0].name})"
+    return (
+        "Set VLLM_CPU_OMP_THREADS_BIND: vLLM's CPU build binds each tensor-parallel rank's threads to a NUMA node of "
+        f"its own, and this machine allows fewer NUMA nodes than ranks (vLLM's assertion{where}: {error}). Name "
+        'each rank\'s cores, one list per rank separated by "|" (VLLM_CPU_OMP_THREADS_BIND="0-3|4-7"; "0|1" on 2 '
+        'cores), or set it to "nobind"; see docs/limits.md. This stopped vLLM before the model loaded.'
+    )
 
 
 def default_does_not_fit(default: Any) -> bool:

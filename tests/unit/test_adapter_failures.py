@@ -200,6 +200,45 @@ def test_a_default_that_does_not_fit_the_model_says_so() -> None:
         adapter.revert()
 
 
+def test_the_cpu_thread_binding_assertion_names_the_variable(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.20.0 on asserts in the generator's process when its CPU ranks outnumber the NUMA nodes allowed: the
+    error the caller gets names VLLM_CPU_OMP_THREADS_BIND first, and vLLM's frame, with vLLM's assertion chained."""
+    from vllm_compat.adapters.inputs import ConstructorChecks
+
+    source = tmp_path / "site" / "vllm" / "utils" / "ompmultiprocessing.py"
+    source.parent.mkdir(parents=True)
+    source.write_text(
+        "def _get_autobind_cpu_ids(local_world_size, allowed_numa_nodes):\n"
+        "    assert len(allowed_numa_nodes) >= local_world_size, (\n"
+        '        f"Not enough allowed NUMA nodes to bind threads of {local_world_size} local CPUWorkers. "\n'
+        '        f"Allowed NUMA nodes are {allowed_numa_nodes}. Please try to bind threads manually."\n'
+        "    )\n"
+    )
+    namespace: dict = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)  # a frame whose file is vLLM's module
+
+    class TwoRanksOnOneNode(StandInGenerator):
+        def __init__(self, model_path: str, layer_ids=None) -> None:
+            namespace["_get_autobind_cpu_ids"](2, [0])
+
+    module = types.ModuleType("stand_in_generator")
+    module.VllmHiddenStatesGenerator = TwoRanksOnOneNode
+    adapter = ConstructorChecks()
+    adapter.apply(module)
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            module.VllmHiddenStatesGenerator("/")
+    finally:
+        adapter.revert()
+    message = str(caught.value)
+    assert message.startswith("Set VLLM_CPU_OMP_THREADS_BIND:")
+    assert "vllm/utils/ompmultiprocessing.py:2 (_get_autobind_cpu_ids)" in message
+    assert "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers" in message
+    assert isinstance(caught.value.__cause__, AssertionError)
+    with pytest.raises(AssertionError):  # without vllm-compat: vLLM's own assertion, nothing else
+        TwoRanksOnOneNode("/")
+
+
 def test_tuples_are_taken_as_lists_are(stand_in) -> None:
     generator = stand_in("/", layer_ids=(0, 2))
     assert generator.layer_ids == [0, 2]
