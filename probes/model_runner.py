@@ -431,12 +431,13 @@ def v2_async_output(view: ApiView) -> Observation:
         name for name, (tree, _) in ((V2_RUNNER, runner), (V2_WORKER, worker)) if _reads(tree, "async_scheduling")
     ]
     methods = {n.name: n for n in ast.walk(proc[0]) if isinstance(n, ast.FunctionDef)}
-    handle = methods.get("handle_output")
+    handle, init = methods.get("handle_output"), methods.get("__init__")
     threaded = (
         handle is not None
+        and init is not None
         and _reads(handle, "use_async_scheduling")
         and "async_output_busy_loop" in methods
-        and _reads(methods.get("__init__", handle), "async_scheduling")
+        and _reads(init, "async_scheduling")
     )
     where = (
         evidence(proc[1], "handle_output: the step's output to vLLM's output thread where async scheduling is on"),

@@ -231,7 +231,8 @@ def _unpin(block: Any, device: int | None, piece: int, pause: float = 0.0) -> No
 def _unregister(addresses: list[int], device: int | None, pause: float = 0.0) -> None:
     """Unregister each piece; with ``pause`` between pieces, as registering does: a slab closed in the background
     while a call runs unpins up to gigabytes, and each piece holds the CUDA driver's lock that the worker's steps
-    need to launch their work (a large-preset call on an H200 took 5 % longer while a 4 GiB slab was closed)."""
+    need to launch their work (on an H200 the two slow large-preset calls of eight were those during which 4 GiB
+    slabs were closed and right-sized ones made)."""
     import torch
 
     with contextlib.suppress(Exception), torch.cuda.device(device):
