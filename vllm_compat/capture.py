@@ -251,10 +251,12 @@ def hand_over(call: CallCapture) -> Any:
         call.release()
         raise
     layout = call.layout
+    direct = HAND_OVER is not _rpc_reply
     transport.record_stats(
         bytes=layout.size if layout else 0,
         seconds=time.perf_counter() - started,
-        direct=HAND_OVER is not _rpc_reply,
+        direct=direct,
         **call.stats,
+        **(SLABS.history() if direct else {}),
     )
     return reply

@@ -385,7 +385,9 @@ def call_table(report: dict, runner: str | None) -> list[str]:
             "MiB",
             "slab reused",
             "pinned",
+            "slabs made / closed since the call before (GiB)",
         ]
+        work = slab_work(sides[e])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rounds = max(len(sides[n]["rounds"]) for n in names)
     for r in range(rounds):
@@ -408,9 +410,28 @@ def call_table(report: dict, runner: str | None) -> list[str]:
                     fmt(h["bytes"] / 2**20, ".0f") if isinstance(h.get("bytes"), (int, float)) else "n/a",
                     fmt(h.get("slab_reused")),
                     fmt(h.get("pinned")),
+                    work.get((r, j), "n/a"),
                 ]
             lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def slab_work(side: dict) -> dict[tuple[int, int], str]:
+    """Per timed call (round, call): the slabs the worker made and let go of since the call before it (the warm-up's
+    for the first), from the cumulative history each hand-over reports. Making populates and pins a slab, closing
+    unpins it: background work beside the steps of the calls it overlaps."""
+    previous = next((c.get("handover") for c in reversed(side.get("warmup") or []) if c.get("handover")), None)
+    out: dict[tuple[int, int], str] = {}
+    keys = ("slabs_made", "slabs_closed", "bytes_made", "bytes_closed")
+    for r, rnd in enumerate(side.get("rounds") or []):
+        for j, call in enumerate(rnd.get("calls") or []):
+            h = call.get("handover") or {}
+            known = previous is not None and all(isinstance(x.get(k), int) for x in (h, previous) for k in keys)
+            if known:
+                made, closed, bmade, bclosed = (h[k] - previous[k] for k in keys)
+                out[(r, j)] = f"{made} / {closed} ({bmade / 2**30:.2f} / {bclosed / 2**30:.2f})"
+            previous = h if h else previous
+    return out
 
 
 # (label, what it is) of the breakdown's rows; every value a median over the timed calls, seconds unless said

@@ -234,6 +234,25 @@ def test_a_caller_keeping_a_warm_up_and_the_last_result_never_waits(worker: Work
     assert worker.ask(op="slabs")["slabs"] <= 3 + transport.MOST_SPARES
 
 
+def test_a_loop_keeping_the_last_results_settles_without_making_or_closing_slabs(worker: Worker) -> None:
+    """The H200's large preset (2026-12-05): with a warm-up's results kept and each call's kept while the next ran,
+    the worker made one slab and closed one beside every call's steps (1.25 GiB pinned and unpinned a call). After
+    the slabs made for the scheduler's estimate (here 4 times a call) are replaced, the loop reuses its slabs."""
+    plan = plan_of([1024, 512])
+    worker.ask(op="prepare", size=4 * call_bytes(plan, 1024))
+    warm_up = worker.reply(plan, one_step(plan))
+    held, history = None, []
+    for seed in range(2, 12):
+        answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=1024)
+        assert answer.get("ok"), answer
+        held = speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1")  # the previous call's go
+        worker.ask(op="join_maker")
+        worker.ask(op="wait_slabs", at_most=1 << 20, seconds=0)  # closing threads done
+        history.append({k: v for k, v in answer["stats"].items() if k.startswith(("slabs_", "bytes_"))})
+    assert history[-1] == history[3], f"slabs made or closed after the fourth call: {history}"
+    assert same(held, expected_samples_of(plan, 11, 1024)) and warm_up is not None
+
+
 def test_a_caller_keeping_every_result_gets_spares_made_ahead(worker: Worker) -> None:
     """A notebook keeping every call's results: each call finds a slab made by the thread while the one before ran."""
     plan = plan_of([256, 256])

@@ -143,3 +143,19 @@ def test_rounds_stop_before_the_deadline(bench):
     assert 1 < len(done) < 5
     assert rounds.stopped == f"time budget: {len(done)} of 5 rounds run"
     assert list(bench["common"].Rounds(2, deadline=time.time() - 1)) == [0]  # the first round always runs
+
+
+def test_slab_work_is_per_call_from_the_cumulative_history(bench):
+    """The worker reports how many slabs it made and let go of so far; the table shows each call's share, the first
+    timed call's counted from the warm-up's."""
+    summary = bench["summary"]
+
+    def handover(made: int, closed: int) -> dict:
+        return {"slabs_made": made, "slabs_closed": closed, "bytes_made": made << 30, "bytes_closed": closed << 30}
+
+    side = {
+        "warmup": [{"handover": handover(3, 0)}],
+        "rounds": [{"calls": [{"handover": handover(5, 1)}, {"handover": handover(5, 1)}]}, {"calls": [{}]}],
+    }
+    assert summary.slab_work(side) == {(0, 0): "2 / 1 (2.00 / 1.00)", (0, 1): "0 / 0 (0.00 / 0.00)"}
+    assert summary.slab_work({"rounds": [{"calls": [{"handover": handover(1, 0)}]}]}) == {}, "no warm-up: unknown"

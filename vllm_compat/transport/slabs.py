@@ -358,6 +358,8 @@ class Slabs:
         self.make_seconds = 0.0  # how long making the last slab in the background took
         self.call_seconds: float | None = None  # the shortest time between two calls' takes so far
         self.last_take: float | None = None
+        self.made = [0, 0]  # slabs made over the worker's life, and their bytes (see history)
+        self.closed = [0, 0]  # slabs let go of (closed, or handed to a closing thread), and their bytes
 
     def pinned_bytes(self) -> int:
         return sum(s.size for s in self.slabs if s.pinned)
@@ -390,7 +392,21 @@ class Slabs:
         slab = Slab.make(size, self.device, pin, background)
         if background:
             self.make_seconds = time.perf_counter() - started
+        with self.lock:
+            self.made[0] += 1
+            self.made[1] += slab.size
         return slab
+
+    def history(self) -> dict[str, int]:
+        """Slabs made and let go of so far, and their bytes: the difference between two calls is the background work
+        (populating, pinning, unpinning) that ran beside the later one's steps."""
+        with self.lock:
+            return {
+                "slabs_made": self.made[0],
+                "bytes_made": self.made[1],
+                "slabs_closed": self.closed[0],
+                "bytes_closed": self.closed[1],
+            }
 
     def prepare(self, size: int, device: int | None) -> None:
         """Make, in a thread, the first call's slab and the spares after it (``size`` bytes each, an estimate, before
@@ -467,11 +483,13 @@ class Slabs:
         return slab
 
     def _ready(self, want: int) -> int:
-        """Free slabs of ``want`` bytes known to be free: never handed over, or found free by a take since. Never asks
-        a handed slab's lock: from the maker's thread that could run between the worker's hand-over and the caller
-        taking its lock, and find a slab free whose states the caller is about to map."""
+        """Free slabs of ``want`` to ``OVERSIZE`` times ``want`` bytes known to be free: never handed over, or found
+        free by a take since. A larger one is not counted: it stands in until a spare of the right size replaces it.
+        Never asks a handed slab's lock: from the maker's thread that could run between the worker's hand-over and the
+        caller taking its lock, and find a slab free whose states the caller is about to map."""
+        most = _round(OVERSIZE * want)
         with self.lock:
-            return sum(1 for s in self.slabs if s.size >= want and not s.busy and not s.handed)
+            return sum(1 for s in self.slabs if want <= s.size <= most and not s.busy and not s.handed)
 
     def _spares_in_background(self, want: int) -> None:
         """Where fewer than ``spares()`` free slabs of ``want`` bytes are ready, start making them, one after the
@@ -515,17 +533,26 @@ class Slabs:
         times it (a larger one stands in only until spares of the right size are ready). Memory the caller gave back
         goes back, and a slab made for an estimate, or for calls larger than today's, goes once the calls are known
         to be smaller. Closed in a thread: unregistering from CUDA is not for the call that is starting. ``released``:
-        from a thread, the hand-overs the caller said it let go of (see ``_judged``); None from a call's take."""
+        from a thread, the hand-overs the caller said it let go of (see ``_judged``); None from a call's take.
+
+        Between calls (from a thread) one free slab more than the spares stays: a caller that keeps each call's
+        results while the next runs (``results = generate(...)`` in a loop) gives one slab back per call, after the
+        next call took a spare and the maker replaced it. Closing that slab then, and making its replacement at the
+        next take, made and closed a slab of the call's size in every call (1.25 GiB pinned and unpinned beside the
+        steps of each call of the H200's large preset)."""
         with self.lock:
             expected = self.expected()
+            kept = self.spares() + (0 if released is None else 1)
             candidates = [s for s in self.slabs if s is not keep and self._judged(s, released)]
             free = sorted((s for s in candidates if s.is_free()), key=lambda s: s.size)
             fitting = [s for s in free if s.size >= expected]
             right = [s for s in fitting if s.size <= _round(OVERSIZE * expected)]  # whole 2 MiB, as slabs are
-            spares = (right + [s for s in fitting if s not in right])[: self.spares()]
+            spares = (right + [s for s in fitting if s not in right])[:kept]
             extra = [s for s in free if s not in spares]
             for slab in extra:
                 self.slabs.remove(slab)
+                self.closed[0] += 1
+                self.closed[1] += slab.size
         if extra:
             closer = threading.Thread(target=_close_all, args=(extra,), name="vllm_compat_slab_close", daemon=True)
             closer.start()
@@ -553,7 +580,8 @@ _STATS: dict[str, Any] = {}
 
 def worker_stats() -> dict[str, Any]:
     """The last call's hand-over in this worker: bytes, seconds (exposed, after the call's last step),
-    overlapped_seconds (spent during the steps), slab_reused, made_now, waited_seconds, pinned, direct."""
+    overlapped_seconds (spent during the steps), slab_reused, made_now, waited_seconds, pinned, direct; where direct,
+    the worker's slab history so far (``Slabs.history``)."""
     return dict(_STATS)
 
 
