@@ -235,8 +235,8 @@ def test_a_caller_keeping_a_warm_up_and_the_last_result_never_waits(worker: Work
 
 
 def test_a_loop_keeping_the_last_results_settles_without_making_or_closing_slabs(worker: Worker) -> None:
-    """The H200's large preset (2026-12-05): with a warm-up's results kept and each call's kept while the next ran,
-    the worker made one slab and closed one beside every call's steps (1.25 GiB pinned and unpinned a call). After
+    """The benchmark's caller (2026-12-05): with a warm-up's results kept and each call's kept while the next ran,
+    the worker made one slab and closed one beside every call's steps (1.25 GiB a call on the large preset). After
     the slabs made for the scheduler's estimate (here 4 times a call) are replaced, the loop reuses its slabs."""
     plan = plan_of([1024, 512])
     worker.ask(op="prepare", size=4 * call_bytes(plan, 1024))

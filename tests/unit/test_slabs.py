@@ -204,10 +204,11 @@ class _Caller:
 @pytest.mark.parametrize("spares", [1, 2])
 @pytest.mark.parametrize("estimate", [1, 2, 4])
 def test_a_loop_keeping_the_last_results_settles_without_making_or_closing_slabs(monkeypatch, spares, estimate):
-    """The H200's large preset (2026-12-05): a caller keeping a warm-up's results and each call's while the next ran
-    got one slab made (populated, pinned) and one closed (unpinned) beside every call's steps: the slab the caller gave
-    back was closed as one too many, and its replacement made at the next take. Once the slabs made for the estimate
-    are replaced (``estimate`` times a call), the loop reuses what it has; free slabs at rest stay within bounds."""
+    """The benchmark's caller (2026-12-05), replayed: keeping a warm-up's results and each call's while the next
+    ran, it got one slab made (populated, pinned) and one closed (unpinned) beside every call's steps: the slab the
+    caller gave back was closed as one too many, and its replacement made at the next take. Once the slabs made for
+    the estimate are replaced (``estimate`` times a call), the loop reuses what it has; free slabs at rest stay
+    within bounds."""
     monkeypatch.setattr(slabs.Slabs, "spares", lambda self: spares)  # whether making a slab is slower than a call
     pool = slabs.Slabs()
     size = 4 * MIB
