@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
 LIMIT = 4 << 30
 TOLERANCE = 1e-4  # float32 on both sides, relative to the largest state (faults.Judge)
-MOST_SPARES, OVERSIZE = 2, 2  # vllm_compat.transport.slabs: what the worker keeps free at rest
+MOST_SPARES, OVERSIZE, GRACE_SLABS = 2, 2, 2  # vllm_compat.transport.slabs: what the worker keeps free at rest
 
 
 def test_a_16k_context_generator_inside_a_4_gib_limit(tmp_path: Path) -> None:
@@ -45,6 +45,6 @@ def test_a_16k_context_generator_inside_a_4_gib_limit(tmp_path: Path) -> None:
     assert kills == 0 and record["workers_alive"], record
     assert record["installed"] and record["calls"] == 10 and record["worst"] < TOLERANCE, record
     assert 0 < record["slab_bytes_at_start"] <= LIMIT // 4, "made ahead within a quarter of the room there was"
-    at_rest = (1 + MOST_SPARES) * OVERSIZE * record["call_bytes"] + 3 * (2 << 20)
+    at_rest = (MOST_SPARES + GRACE_SLABS) * OVERSIZE * record["call_bytes"] + 4 * (2 << 20)  # spares, and more a while
     assert record["slab_bytes_after_dropping"] <= at_rest, f"kept after dropping every result: {record}"
     assert record["slab_bytes_after_later_calls"] <= at_rest, record

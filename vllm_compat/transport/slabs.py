@@ -54,6 +54,7 @@ class Slab:
         self.busy = False  # taken by a call whose states are being written
         self.handed = False  # handed over, and maybe still mapped by the generator's process
         self.call = 0  # the number of the call that took it last (Slabs.takes then)
+        self.free_since: float | None = None  # when the pool last saw it free (None while taken or handed over)
         self.serial = 0  # the hand-over it was sent in last (the channel's serial)
 
     @property
@@ -277,6 +278,8 @@ MOST_SPARES = 2  # free slabs kept ready at most (see Slabs.spares)
 RECENT_CALLS = 16  # spares are sized for the largest of the last this many calls: they shrink when calls do
 OVERSIZE = 2  # a free slab more than this many times the largest recent call is closed, not kept as a spare
 MEMORY_SHARE = 4  # slabs made ahead (at start, and spares) take at most 1/this of the memory still available
+GRACE_SLABS = 2  # free slabs of the right size kept beyond the spares for a while after they were given back
+GRACE_SECONDS = (1.0, 30.0)  # that while: three times the longest recent interval between calls, within these
 
 
 def available_memory() -> int | None:
@@ -338,9 +341,10 @@ class Slabs:
 
     Host memory: the slabs the generator's process still maps (a slab per call whose results are alive there) plus
     at most ``MOST_SPARES`` free ones (one where making a slab takes less time than a call: see ``spares``), each
-    between the largest of the last ``RECENT_CALLS`` calls and ``OVERSIZE`` times it. Before the first call, one slab
-    for the estimated first call and spares, all within ``1/MEMORY_SHARE`` of the memory available. A slab the caller
-    lets go of is found free when the caller says so (``reclaim``), not at the next call. Pinned memory: at most
+    between the largest of the last ``RECENT_CALLS`` calls and ``OVERSIZE`` times it, and for ``grace()`` seconds after
+    the caller gave slabs back up to ``GRACE_SLABS`` more of that size. Before the first call, one slab for the
+    estimated first call and spares, all within ``1/MEMORY_SHARE`` of the memory available. A slab the caller lets
+    go of is found free when the caller says so (``reclaim``), not at the next call. Pinned memory: at most
     ``_pinned_limit()``; slabs beyond it stay pageable (copies into them are synchronous, slower).
     """
 
@@ -351,6 +355,8 @@ class Slabs:
         self.device: int | None = None
         self.estimate = 0  # the first call's size as guessed before it (prepare)
         self.recent: deque[int] = deque(maxlen=RECENT_CALLS)  # the sizes of the last calls
+        self.intervals: deque[float] = deque(maxlen=RECENT_CALLS)  # the seconds between the last calls' takes
+        self.timer: threading.Timer | None = None  # closes slabs kept for a while once the while is over
         self.takes = 0  # calls that took a slab so far
         self.limit: int | None = None
         self.warned_unpinned = False
@@ -455,6 +461,7 @@ class Slabs:
         if self.last_take is not None:
             interval = started - self.last_take
             self.call_seconds = interval if self.call_seconds is None else min(self.call_seconds, interval)
+            self.intervals.append(interval)
         self.last_take = started
         slab = self._take_free(size)
         maker = self.maker
@@ -480,6 +487,7 @@ class Slabs:
             slab = min(free, key=lambda s: s.size) if free else None
             if slab is not None:
                 self.slabs.remove(slab)
+                slab.free_since = None
         return slab
 
     def _ready(self, want: int) -> int:
@@ -528,6 +536,14 @@ class Slabs:
         self.maker = threading.Thread(target=run, name="vllm_compat_slab", daemon=True)
         self.maker.start()
 
+    def grace(self) -> float:
+        """How long a free slab of the right size stays beyond the spares after it was given back: three times the
+        longest of the last intervals between calls (between ``GRACE_SECONDS``), so that a caller whose number of
+        kept calls varies from call to call finds it again at its next call."""
+        longest = max(self.intervals, default=0.0)
+        low, high = GRACE_SECONDS
+        return min(high, max(low, 3 * longest))
+
     def _retire_extra(self, keep: Slab | None, released: set[int] | None = None) -> None:
         """Close free slabs but the spares: the smallest that fit the largest recent call and are at most ``OVERSIZE``
         times it (a larger one stands in only until spares of the right size are ready). Memory the caller gave back
@@ -535,31 +551,49 @@ class Slabs:
         to be smaller. Closed in a thread: unregistering from CUDA is not for the call that is starting. ``released``:
         from a thread, the hand-overs the caller said it let go of (see ``_judged``); None from a call's take.
 
-        Between calls (from a thread) one free slab more than the spares stays: a caller that keeps each call's
-        results while the next runs (``results = generate(...)`` in a loop) gives one slab back per call, after the
-        next call took a spare and the maker replaced it. Closing that slab then, and making its replacement at the
-        next take, made and closed a slab of 1.25 times the call in every call, pinned and unpinned beside its steps
-        (found by replaying the benchmark's calls against this class on a CPU; 1.25 GiB a call on the H200's large
-        preset, whose calls from the third on spent 0.03 to 0.05 s of host time beside their steps against 0.002)."""
+        Up to ``GRACE_SLABS`` free slabs of the right size beyond the spares stay for ``grace()`` seconds after they
+        were found free, then go (a timer comes back for them, with or without another call). A caller that keeps
+        each call's results while the next runs gives a slab back after the next call took a spare; closing it then
+        and making its replacement at the next take made one slab and closed one beside every call's steps (replayed
+        on a CPU from the benchmark's calls: 1.25 GiB pinned and unpinned a call on its large preset). Slabs beyond
+        those go at once: a caller dropping many calls' results gets their memory back before its next call."""
+        now = time.monotonic()
         with self.lock:
             expected = self.expected()
-            kept = self.spares() + (0 if released is None else 1)
             candidates = [s for s in self.slabs if s is not keep and self._judged(s, released)]
             free = sorted((s for s in candidates if s.is_free()), key=lambda s: s.size)
+            for slab in free:
+                slab.free_since = now if slab.free_since is None else slab.free_since
             fitting = [s for s in free if s.size >= expected]
             right = [s for s in fitting if s.size <= _round(OVERSIZE * expected)]  # whole 2 MiB, as slabs are
-            spares = (right + [s for s in fitting if s not in right])[:kept]
-            extra = [s for s in free if s not in spares]
+            spares = (right + [s for s in fitting if s not in right])[: self.spares()]
+            grace = self.grace()
+            waiting = [s for s in right if s not in spares and now - (s.free_since or now) < grace][:GRACE_SLABS]
+            extra = [s for s in free if s not in spares and s not in waiting]
             for slab in extra:
                 self.slabs.remove(slab)
                 self.closed[0] += 1
                 self.closed[1] += slab.size
+            if waiting:
+                self._come_back(min(s.free_since or now for s in waiting) + grace - now)
         if extra:
             closer = threading.Thread(target=_close_all, args=(extra,), name="vllm_compat_slab_close", daemon=True)
             closer.start()
             self.closers = [t for t in self.closers if t.is_alive()] + [closer]
 
+    def _come_back(self, seconds: float) -> None:
+        """Look at the free slabs again in ``seconds`` (with the lock held), unless a look is due already."""
+        if self.timer is not None and self.timer.is_alive() and self.timer is not threading.current_thread():
+            return
+        self.timer = threading.Timer(
+            max(seconds, 0.0) + 0.01, self._retire_extra, kwargs={"keep": None, "released": set()}
+        )
+        self.timer.name, self.timer.daemon = "vllm_compat_slab_grace", True
+        self.timer.start()
+
     def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
         if self.maker is not None:
             self.maker.join(timeout=30)
         for closer in self.closers:
