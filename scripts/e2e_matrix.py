@@ -137,8 +137,10 @@ CI_GUARD_SUITE = [
     "tests/e2e/test_exit.py",
 ]
 CI_SUITES = {"0.4.0.1@0.32.0": CI_GUARD_SUITE}
-# The native line's cells: speculators' own offline data generation against `vllm serve`, judged against transformers.
-NATIVE_SUITE = ["tests/e2e/test_native.py"]
+# The native line's cells: speculators' own offline data generation against `vllm serve`, judged against transformers,
+# and the probe reading the installed vLLM both ways (a new user's `probe --live --strict` on vLLM CPU 0.29.0 reported
+# drift that reading the files did not: a classmethod's cls taken for a parameter).
+NATIVE_SUITE = ["tests/e2e/test_native.py", "tests/e2e/test_probe_cli.py"]
 
 # --resume compares these trees (the code that runs in the script and in vLLM's workers) ...
 KEY_PATHS = ("vllm_compat", "adapters", "probes")

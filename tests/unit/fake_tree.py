@@ -80,6 +80,13 @@ FILES = {
 
             def execute_model(self, scheduler_output, non_block=False):
                 return None
+
+            @classmethod
+            def required_layout(cls, vllm_config):
+                return None
+
+            def renamed_self(engine, method, *args):
+                return method
     """,
     "fakevllm/moved.py": """
         def planner(vllm_config, kv_cache_groups, available_memory):

@@ -19,6 +19,8 @@ QUESTIONS = [
     "fakevllm.engine.Engine",
     "fakevllm.engine.Engine.collective_rpc",
     "fakevllm.engine.Engine.helper",
+    "fakevllm.engine.Engine.required_layout",  # a classmethod: cls is not a parameter a caller passes
+    "fakevllm.engine.Engine.renamed_self",  # a method whose first parameter is not named self
     "fakevllm.utils.planner",
     "fakevllm.utils.engine",
     "fakevllm.utils.missing",

@@ -102,3 +102,21 @@ def test_cli_status_json(generator_process, capsys: pytest.CaptureFixture[str]) 
     assert cli.main(["status", "--json"]) == cli.EXIT_OK
     data = json.loads(capsys.readouterr().out)
     assert data["applied"]["request-eos-token-id"].endswith(OBSERVED) and data["worker_route"] == "plugin"
+
+
+def test_status_names_a_native_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """speculators 0.5 to 0.9 has no generator code to judge: the line comes from the installed metadata, and the text
+    says how vllm-compat reaches that line's processes (a new user's run saw "no line, judged: absent" and the
+    in-process generator's worker routes)."""
+    from vllm_compat.lines import LineVerdict
+
+    monkeypatch.setattr(engine_module, "engine", engine_module._Engine())
+    monkeypatch.setattr(engine_module, "judge_line", lambda: LineVerdict(None, "absent", "0.9.0"))
+    monkeypatch.setattr(plugin, "route", None)
+    status = vllm_compat.status()
+    assert status["speculators_line"] == "native-0.9" and status["speculators_line_judged"] == "metadata"
+    flat = " ".join(str(status).split())
+    assert "(line native-0.9, judged: metadata)" in flat and "`vllm-compat run --`" in flat
+    assert "a generator built now" not in flat
+    monkeypatch.setattr(engine_module, "judge_line", lambda: LineVerdict(None, "absent", None))
+    assert vllm_compat.status()["speculators_line"] is None  # no speculators at all: still no line

@@ -106,9 +106,23 @@ class LiveView:
         except (TypeError, ValueError):
             return None
         params = list(signature.parameters.values())
-        if params and params[0].name == "self" and not inspect.isclass(obj):
-            params = params[1:]  # accessed through the class: an unbound function
+        if params and not inspect.isclass(obj) and (params[0].name == "self" or self._binds_first(dotted)):
+            params = params[1:]  # the instance or the class, which Python passes: not a parameter a caller gives
         return tuple(_param(p) for p in params)
+
+    def _binds_first(self, dotted: str) -> bool:
+        """Whether ``dotted`` is a method or classmethod of a class: Python passes its first parameter (whatever its
+        name: ``cls`` for a classmethod), as the static view reads it. ``_lookup`` unwraps classmethods, so ask the
+        class's own attribute."""
+        owner_name, _, attr = dotted.rpartition(".")
+        owner, _, _ = self._lookup(owner_name) if owner_name else (_MISSING, "", "")
+        if owner is _MISSING or not inspect.isclass(owner):
+            return False
+        try:
+            raw = inspect.getattr_static(owner, attr)
+        except AttributeError:
+            return False
+        return isinstance(raw, classmethod) or inspect.isfunction(raw)
 
     def source(self, dotted: str) -> Source | None:
         member = self._class_member(dotted)
