@@ -1,10 +1,12 @@
-"""The ``vllm.general_plugins`` entry point: activates vllm-compat inside vLLM worker processes.
+"""What vLLM's ``vllm.general_plugins`` entry point does in a worker of a generator guarded by vllm-compat.
 
-vLLM calls ``load_general_plugins()`` in every worker before it resolves
-``worker_extension_cls`` (every release from 0.11.0 to 0.33.0). The plugin acts only when the
-parent process opted in: the generator's constructor, guarded by vllm-compat, sets ``VLLM_COMPAT_ACTIVE=1``
-while it starts the workers, which inherit it. Merely having vllm-compat installed (or imported) changes nothing
-for other vLLM users, nor for other vLLM processes the same script starts.
+vLLM calls ``load_general_plugins()`` in every process it starts, in the workers before it resolves
+``worker_extension_cls`` (every release from 0.11.0 to 0.34.0). The entry point itself is the top-level module
+``vllm_compat_plugin``, which imports this package only where the parent process opted in: the generator's
+constructor, guarded by vllm-compat, sets ``VLLM_COMPAT_ACTIVE=1`` while it starts the workers, which inherit it.
+Importing ``vllm_compat`` installs it, so an entry point inside the package installed vllm-compat in every vLLM
+process, ``vllm serve``'s included; now merely having vllm-compat installed changes nothing for other vLLM users,
+nor for other vLLM processes the same script starts.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ logger = logging.getLogger("vllm_compat")
 PLUGIN_NAME = "vllm_compat"
 PLUGIN_ROUTE = "plugin"  # vllm-compat reached this worker through the entry point
 FALLBACK_ROUTE = "worker-extension-fallback"  # through vllm_compat.worker.HiddenStatesWorkerExtension
-loaded = False  # whether vLLM's plugin loader ran this entry point in this process
+loaded = False  # whether register() ran in this process (through the entry point, where the parent opted in)
 route: str | None = None  # how vllm-compat was activated in this vLLM worker process (None: not a worker of ours)
 
 
 def register() -> None:
-    """Install vllm-compat in this process if the parent opted in; re-entrant and idempotent."""
+    """Install vllm-compat in this process if the parent opted in; re-entrant and idempotent (``vllm_compat_plugin``
+    calls it only then; the check stays for a direct call)."""
     global loaded
     from vllm_compat.engine import ENV_ACTIVE, engine
 
@@ -40,6 +43,11 @@ def register() -> None:
     activated_in_worker(PLUGIN_ROUTE)
     vllm_compat.install()
     logger.debug("vllm-compat plugin active in pid %d", os.getpid())
+
+
+def entry_point_loaded() -> bool:
+    """Whether vLLM's plugin loader ran vllm-compat's entry point in this process, whether or not it opted in."""
+    return loaded or bool(getattr(sys.modules.get("vllm_compat_plugin"), "loaded", False))
 
 
 def activated_in_worker(how: str) -> None:

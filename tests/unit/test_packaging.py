@@ -35,7 +35,7 @@ def _check(python: str) -> dict:
 def _assert_layout(found: dict) -> None:
     assert not found["top_level_adapters"] and not found["top_level_probes"]
     assert found["adapters"] >= 15 and found["probes"] >= 40
-    assert found["plugin"] == ["vllm_compat.plugin:register"]
+    assert found["plugin"] == ["vllm_compat_plugin:register"]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    # beside the package: the pytest plugin module (top-level so that loading it imports nothing) and a .pth hook
-    assert {t for t in tops if not t.endswith(".pth")} <= {"vllm_compat", "pytest_vllm_compat.py"}
+    # beside the package: the pytest and vLLM plugin modules (top-level so that loading them imports nothing), a .pth
+    beside = {"vllm_compat", "pytest_vllm_compat.py", "vllm_compat_plugin.py"}
+    assert {t for t in tops if not t.endswith(".pth")} <= beside
     assert not tops & {"adapters", "probes"}
     assert "vllm_compat/adapters/kv_cache.py" in names and "vllm_compat/probes/config.py" in names
     assert "vllm_compat/_bootstrap/hint.py" in names, "the .pth's excepthook reads it by path from the package"

@@ -194,12 +194,14 @@ def test_plugin_from_two_threads_installs_once(sandbox, monkeypatch: pytest.Monk
 
 # -- a fresh interpreter, as under the spawn start method: the real package, only the environment is inherited --------
 SPAWNED = """
-import json
-from vllm_compat import plugin
-plugin.register()
-plugin.register()
-import vllm_compat
-print(json.dumps(vllm_compat.status()))
+import importlib.metadata as md, json, sys
+(point,) = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "vllm_compat"]
+register = point.load()  # as vLLM's load_general_plugins() does, in every process it starts
+register()
+register()
+imported = "vllm_compat" in sys.modules
+import vllm_compat  # (VLLM_COMPAT_DISABLE=1: this import, to read the status, installs nothing itself)
+print(json.dumps({**vllm_compat.status(), "imported_by_the_plugin": imported}))
 """
 
 
@@ -209,7 +211,7 @@ def spawned_status(active: str | None) -> dict:
     if active is not None:
         env[engine_module.ENV_ACTIVE] = active
     done = subprocess.run(
-        [sys.executable, "-c", SPAWNED], env=env, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", SPAWNED], env=env, capture_output=True, text=True, timeout=120, check=False, cwd="/"
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -217,12 +219,16 @@ def spawned_status(active: str | None) -> dict:
 
 @pytest.mark.parametrize("active", [None, "", "0", "true"])
 def test_spawned_worker_without_opt_in_stays_inert(active: str | None) -> None:
-    """Only the exact value install() sets counts as opting in."""
+    """Only the exact value install() sets counts as opting in. The entry point does not even import vllm_compat:
+    importing it installs it, which put vllm-compat into every process of a ``vllm serve`` no one had asked it into
+    (a new user's run on vLLM CPU 0.29.0: native-connector-on-cpu applied in all three of the server's processes)."""
     status = spawned_status(active)
+    assert status["imported_by_the_plugin"] is False
     assert status["plugin_loaded"] is True and status["installed"] is False and status["hooks"] == []
 
 
 def test_spawned_worker_with_opt_in_installs_once() -> None:
     status = spawned_status("1")
+    assert status["imported_by_the_plugin"] is True
     assert status["plugin_loaded"] is True and status["installed"] is True
     assert engine_module.GUARD_MODULE in status["hooks"] and status["applied"] == {}
