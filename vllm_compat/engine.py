@@ -113,20 +113,23 @@ class _Engine:
             spec = installed_version("speculators")
             vllm = installed_version("vllm")
             verdict = judge_line()
+            native = native_line(verdict.metadata_version) if verdict.how == "absent" else None
             return Status(
                 {
                     "installed": self.installed,
                     "strict": self.strict,
                     "vllm_version": str(vllm) if vllm else None,
                     "speculators_version": str(spec) if spec else None,
-                    "speculators_line": verdict.line,
-                    "speculators_line_judged": verdict.how,  # code | metadata | absent | unknown (lines.LineVerdict)
+                    # an in-process line from the code; a native line (0.5 to 0.9, no generator code) from metadata
+                    "speculators_line": verdict.line or native,
+                    # code | metadata | absent | unknown (lines.LineVerdict)
+                    "speculators_line_judged": "metadata" if native else verdict.how,
                     "applied": {k: a.reason for k, a in self.applied.items()},
                     # reverted by uninstall(), but left in place as pass-throughs under wrappers applied after ours
                     "pass_through": {k: list(v) for k, v in self.pass_through.items()},
                     "hooks": sorted(self.hooked),
                     "guarded": self.guard is not None,
-                    "plugin_loaded": plugin.loaded,
+                    "plugin_loaded": plugin.entry_point_loaded(),
                     # how vllm-compat reaches vLLM's workers: in a worker, the route that activated it there; in the
                     # generator's process, the route its workers take (None before a generator is built)
                     "worker_route": plugin.route or (self.worker_route[0] if self.worker_route else None),

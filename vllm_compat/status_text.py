@@ -75,7 +75,13 @@ def describe(status: dict[str, Any]) -> str:
             "imported)"
         )
 
-    if in_worker:
+    if str(line or "").startswith("native-") and not in_worker:
+        out.append(
+            f"  speculators {spec} extracts through `vllm serve` (the {line} line): vllm-compat reaches the server's "
+            "processes only where it is started under `vllm-compat run --` (or VLLM_COMPAT_AUTO=1); `vllm-compat "
+            "probe` is this line's guard"
+        )
+    elif in_worker:
         out.append(
             f"  vLLM's workers: this is one; vllm-compat was activated here by the {route} route ({why}); the adapters "
             "above are this worker's own"
