@@ -29,7 +29,8 @@ def plugin_blocked() -> str | None:
     import importlib.metadata
 
     points = importlib.metadata.entry_points(group="vllm.general_plugins")
-    if not any(ep.value.startswith("vllm_compat.plugin") for ep in points):
+    # vllm_compat_plugin:register; vllm_compat.plugin:register where installed before 2026-12-05 (it works too)
+    if not any(ep.value.startswith(("vllm_compat_plugin:", "vllm_compat.plugin:")) for ep in points):
         return "no vllm.general_plugins entry point of vllm_compat is installed (importable, not installed)"
     return None
 
