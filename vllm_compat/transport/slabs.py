@@ -2,9 +2,9 @@
 
 Runs in the vLLM worker process of the rank that captures (vllm_compat.capture keeps one ``Slabs`` there). A slab is
 made (anonymous shared memory with every page in place, by a few threads with the GIL released), registered with
-CUDA as pinned memory in pieces, and sealed; ``Slabs`` gives each call the smallest free slab that fits, keeps spares
-ready from a maker thread, and closes the slabs it no longer needs. A slab handed over is free again once no process
-holds a lock on it (vllm_compat.transport.caller takes that lock in the generator's process).
+CUDA as pinned memory in pieces, and sealed; ``Slabs`` gives each call a free slab that fits (``_take_free``), keeps
+spares ready from a maker thread, and closes the slabs it no longer needs. A slab handed over is free again once no
+process holds a lock on it (vllm_compat.transport.caller takes that lock in the generator's process).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import ctypes
 import errno
 import fcntl
 import logging
+import math
 import mmap
 import os
 import threading
@@ -337,7 +338,7 @@ def _room_in(folder: str, limit_file: str, usage_file: str, inactive: str) -> in
 
 
 class Slabs:
-    """A worker's slabs: a call takes the smallest free one that fits, and a thread keeps spares ready.
+    """A worker's slabs: a call takes a free one that fits (the right size, in turn), and a thread keeps spares ready.
 
     Host memory: the slabs the generator's process still maps (a slab per call whose results are alive there) plus
     at most ``MOST_SPARES`` free ones (one where making a slab takes less time than a call: see ``spares``), each
@@ -482,9 +483,18 @@ class Slabs:
         return slab, {"waited_seconds": waited, "made_now": made, "slab_bytes": slab.size, "pinned": slab.pinned}
 
     def _take_free(self, size: int) -> Slab | None:
+        """The free slab of the right size (``size`` to ``OVERSIZE`` times it) that has been free the longest, else the
+        smallest that fits. Taking the smallest first left a larger slab of the right size free call after call (the
+        first call's estimate-sized slabs beside smaller spares made since) until the grace period closed it, and its
+        replacement was made at the next take: on an H200 (vLLM 0.34.0, 512 MiB calls 0.13 s apart) 5 slabs made and 2
+        closed over 24 calls, the slowest calls beside them. Taken in turn, every slab the loop needs stays in use."""
         with self.lock:
             free = [s for s in self.slabs if s.size >= size and s.is_free()]
-            slab = min(free, key=lambda s: s.size) if free else None
+            right = [s for s in free if s.size <= _round(OVERSIZE * size)]
+            if right:
+                slab = min(right, key=lambda s: math.inf if s.free_since is None else s.free_since)
+            else:
+                slab = min(free, key=lambda s: s.size) if free else None
             if slab is not None:
                 self.slabs.remove(slab)
                 slab.free_since = None
