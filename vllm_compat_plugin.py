@@ -10,6 +10,7 @@ the rest. Merely having vllm-compat installed changes nothing in other vLLM proc
 
 from __future__ import annotations
 
+import logging
 import os
 
 loaded = False  # whether vLLM's plugin loader ran this entry point in this process
@@ -21,6 +22,14 @@ def register() -> None:
     loaded = True
     if os.environ.get("VLLM_COMPAT_ACTIVE") != "1":  # vllm_compat.engine.ENV_ACTIVE, not imported here on purpose
         return
-    from vllm_compat import plugin
-
+    try:
+        from vllm_compat import plugin
+    except Exception:  # as vLLM treats a plugin whose module does not import: logged, and the process goes on
+        # (vLLM's model inspection runs `python -m` in the caller's folder, where a checkout's source tree, without
+        # vllm_compat.adapters, shadows the installed package; that process needs no adapter)
+        logging.getLogger("vllm_compat").exception(
+            "vllm-compat: the vLLM plugin could not import vllm_compat in pid %d; this process runs without it",
+            os.getpid(),
+        )
+        return
     plugin.register()

@@ -227,6 +227,25 @@ def test_spawned_worker_without_opt_in_stays_inert(active: str | None) -> None:
     assert status["plugin_loaded"] is True and status["installed"] is False and status["hooks"] == []
 
 
+def test_a_vllm_compat_that_does_not_import_does_not_stop_the_process(tmp_path) -> None:
+    """vLLM calls the entry point outside its own guard (it guards only loading it): an import failure inside
+    ``register`` would end the process. vLLM 0.17.0's model inspection (``python -m`` in the caller's folder, a
+    checkout's source tree shadowing the installed package) failed that way; it is logged and the process goes on."""
+    broken = tmp_path / "vllm_compat"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('a source tree without vllm_compat.adapters')\n")
+    code = (
+        "import importlib.metadata as md\n"
+        "(point,) = [e for e in md.entry_points(group='vllm.general_plugins') if e.name == 'vllm_compat']\n"
+        "point.load()()\n"
+        "print('went on')\n"
+    )
+    env = {**os.environ, engine_module.ENV_ACTIVE: "1", "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == "went on", done.stderr
+    assert "could not import vllm_compat" in done.stderr and "a source tree without" in done.stderr
+
+
 def test_spawned_worker_with_opt_in_installs_once() -> None:
     status = spawned_status("1")
     assert status["imported_by_the_plugin"] is True
