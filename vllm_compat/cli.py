@@ -153,7 +153,7 @@ def speculators_choice(speculators: str | None) -> tuple[tuple[str, ...], str | 
             how = f"line {line} (--speculators {speculators}, judged as the {line} line)"
         return (line,), speculators, how
     verdict = judge_line()
-    native = native_line(verdict.metadata_version) if verdict.how == "absent" else None
+    native = verdict.native
     if native is not None:
         how = (
             f"line {native} (speculators {verdict.metadata_version} installed, which extracts through `vllm serve`; "

@@ -27,7 +27,7 @@ from vllm_compat.patching import Patch, scoped_environ, set_attr, wrap
 from vllm_compat.plan import Plan, load_probes, make_plan
 from vllm_compat.runners import facts_hold
 from vllm_compat.status_text import Status
-from vllm_compat.versions import installed_version, native_line
+from vllm_compat.versions import installed_version
 
 __all__ = ["ENV_ACTIVE", "ENV_DISABLE", "ENV_STRICT", "engine"]
 
@@ -113,7 +113,7 @@ class _Engine:
             spec = installed_version("speculators")
             vllm = installed_version("vllm")
             verdict = judge_line()
-            native = native_line(verdict.metadata_version) if verdict.how == "absent" else None
+            native = verdict.native
             return Status(
                 {
                     "installed": self.installed,
@@ -173,7 +173,7 @@ class _Engine:
                 self._guard_missing_names(module, None)  # no adapter is known to fit: the guard stops the run
                 return
             if line is None:
-                native = native_line(verdict.metadata_version)
+                native = verdict.native
                 if native is not None:  # speculators 0.5 to 0.9: `vllm serve`'s own processes, no generator to guard
                     for cls in sorted(load_adapters().values(), key=lambda c: c.order):
                         if cls.target == module.__name__ and cls.id not in self.applied:

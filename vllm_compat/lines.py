@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from types import ModuleType
 
-from vllm_compat.versions import installed_version, speculators_line
+from vllm_compat.versions import installed_version, native_line, speculators_line
 
 __all__ = ["MARKERS", "LineVerdict", "judge_line", "judge_text"]
 
@@ -82,6 +82,12 @@ class LineVerdict:
     @property
     def metadata_line(self) -> str | None:
         return speculators_line(self.metadata_version)
+
+    @property
+    def native(self) -> str | None:
+        """The native line (speculators 0.5 to 0.9, extraction through ``vllm serve``) where no in-process generator
+        code is found and the installed metadata names such a release; None otherwise."""
+        return native_line(self.metadata_version) if self.how == "absent" else None
 
     def describe(self) -> str:
         """One phrase for logs and reports: the line and how it was judged."""

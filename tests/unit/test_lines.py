@@ -111,7 +111,18 @@ def test_only_the_metadata_where_no_code_is_found(tree) -> None:
 
 def test_no_speculators_no_line(tree) -> None:
     verdict = lines.judge_line()
-    assert (verdict.line, verdict.how) == (None, "absent")
+    assert (verdict.line, verdict.how, verdict.native) == (None, "absent", None)
+
+
+@pytest.mark.parametrize(
+    ("generator", "metadata", "native"),
+    [(None, "0.9.0", "native-0.9"), (None, "0.5.1", "native-0.5"), (None, "0.4.0.1", None), ("0.4.0.1", "0.9.0", None)],
+    ids=["0.9-installed", "0.5-patch", "in-process-metadata", "in-process-code-wins"],
+)
+def test_the_native_line_only_where_no_generator_code_is_found(tree, generator, metadata, native) -> None:
+    """status, probe and the engine's native adapters all read the native line from this one property."""
+    tree(GENERATOR[generator] if generator else None, WORKER[generator] if generator else None, metadata)
+    assert lines.judge_line().native == native
 
 
 @pytest.mark.parametrize(
