@@ -177,7 +177,9 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
         return results, entry
 
     for i in range(args.warmup_calls):
-        _, entry = one_call(calls[i])
+        # the warm-up's results are dropped at once: kept (as ``_`` did until 2026-12-06), they held one of the
+        # worker's slabs through every round, which no caller's loop does
+        entry = one_call(calls[i])[1]
         result["warmup"].append(entry)
         log(out, name, f"warm-up call {i}: {entry['seconds']:.3f}s; hand-over {brief(entry['handover'])}")
     rpc(reset_peak)
