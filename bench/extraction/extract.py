@@ -203,7 +203,8 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
             if r == 0 and args.warmup_calls + j == check_call(args) and extra.get("sample"):
                 positions = check_positions(args)
                 states = [[results[p]["hidden_states"][requested.index(k)] for k in checked] for p in positions]
-                save_sample(out, name, call, positions, checked, states)
+                save_sample(out, name, call, positions, checked, states)  # copied out: the views go now, which
+                del states  # held their call's slab (as ``_`` held the warm-up's) through every later call
                 result["check_steps"] = entry["steps"]
     result["stopped"] = rounds.stopped
     steps = getattr(generator.executor, "_vllm_compat_steps", None)  # vllm-compat's steps-in-flight, where it runs

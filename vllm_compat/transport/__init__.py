@@ -54,10 +54,11 @@ from vllm_compat.transport.layout import (
     map_slots,
     slot_view,
 )
-from vllm_compat.transport.slabs import MOST_SPARES, Slab, Slabs, piece_ranges, record_stats, worker_stats
+from vllm_compat.transport.slabs import AHEAD, MOST_SPARES, Slab, Slabs, piece_ranges, record_stats, worker_stats
 from vllm_compat.transport.wire import StatesHandle, forget_workers, receiver_address, send_slab, when_released
 
 __all__ = [
+    "AHEAD",
     "ENV_MODE",
     "ENV_PINNED_LIMIT",
     "ENV_SOCKET",
