@@ -228,6 +228,7 @@ class CallCapture:
             self.copier.finish()
         if self.slab is not None:
             self.slab.busy = False
+            SLABS.call_ended()
         self.slab = self.block = self.copier = None
 
 
@@ -250,6 +251,8 @@ def hand_over(call: CallCapture) -> Any:
     except BaseException:
         call.release()
         raise
+    finally:
+        SLABS.call_ended()  # the call's steps are done: the slabs' background driver work may run
     layout = call.layout
     direct = HAND_OVER is not _rpc_reply
     transport.record_stats(
