@@ -180,6 +180,7 @@ class _Caller:
     def call(self, size: int) -> transport.Slab:
         slab, _ = self.pool.take(size)
         slab.handed, slab.busy = True, False  # what the hand-over does
+        self.pool.call_ended()
         fd = os.open(f"/proc/self/fd/{slab.fd}", os.O_RDONLY)
         fcntl.flock(fd, fcntl.LOCK_SH)
         self.locks[id(slab)] = fd
@@ -349,3 +350,42 @@ def test_background_driver_work_waits_until_no_call_is_in_flight(fake_cuda, monk
     finally:
         pool.close()
     assert cudart.registered == {}
+
+
+class RecordingLibc:
+    """The C library, with each range put in place recorded (``madvise``), as the worker's slabs ask it."""
+
+    def __init__(self, real: object) -> None:
+        self.real = real
+        self.filled: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def madvise(self, address: int, nbytes: int, advice: int) -> int:
+        self.filled.append(nbytes)
+        return self.real.madvise(address, nbytes, advice)
+
+
+def test_a_slab_made_in_the_background_fills_its_pages_only_between_calls(monkeypatch) -> None:
+    """Zero-filling a slab's pages takes the host's memory bandwidth and the worker's address-space lock: made in the
+    background (no CUDA here, so nothing to register), its pages are put in place a chunk at a time, and only while
+    no call is in flight. A slab a call needs at once is filled whole, at once."""
+    libc = RecordingLibc(slabs._libc())
+    monkeypatch.setattr(slabs, "_libc", lambda: libc)
+    monkeypatch.setattr(slabs, "_FILL_CHUNK", 2 * MIB)
+    monkeypatch.setattr(slabs.Slabs, "_spares_in_background", lambda self, want: None)  # made by hand here
+    pool = slabs.Slabs()
+    try:
+        pool.take(8 * MIB)  # a call in flight; its own slab filled at once
+        assert sum(libc.filled) == 8 * MIB
+        libc.filled.clear()
+        pool._make_in_background(8 * MIB, 1)
+        time.sleep(0.3)
+        assert libc.filled == [] and pool.maker.is_alive(), "pages filled while the call ran"
+        pool.call_ended()
+        pool.maker.join(timeout=5)
+        assert sum(libc.filled) == 8 * MIB and max(libc.filled) == 2 * MIB, "in chunks, once the call handed over"
+        assert len(pool.slabs) == 2
+    finally:
+        pool.close()

@@ -33,6 +33,7 @@ _STEP = 2 << 20  # slab sizes are whole 2 MiB
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page up front: no page faults while copying
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: put a range's pages in place, an error (not SIGBUS) where memory is short
 _FILL_THREADS = 8  # a slab's pages are put in place by up to this many threads at once (the kernel zero-fills each)
+_FILL_CHUNK = 16 << 20  # where a slab is made in the background, each thread fills its share in chunks of this size
 # Slabs are registered with CUDA in pieces of this size, with a pause between pieces when made while a call runs:
 # the driver holds up the worker's kernel launches and copies while it registers (on an H200, 27 ms for a 640 MiB
 # slab at once, under 1.2 ms with pieces). A copy may not cross the border of two registrations (the driver refuses
@@ -73,12 +74,12 @@ class Slab:
         registering them, in pieces), so a slab made in the background while a call runs does not hold the call up:
         Python's own ``mmap`` keeps the GIL while it populates a mapping, which stopped a worker's steps for as long
         (0.26 s for 640 MiB on an H200 host). ``gate``: called before each piece is registered (see
-        ``Slabs.between_calls``)."""
+        ``Slabs.between_calls``), and before each chunk of pages is put in place."""
         size = _round(size)
         fd = os.memfd_create("vllm-compat-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
-            addr = _map_filled(fd, size)
+            addr = _map_filled(fd, size, gate)
         except BaseException:
             os.close(fd)
             raise
@@ -127,17 +128,18 @@ class Slab:
         self.fd = -1
 
 
-def _map_filled(fd: int, size: int) -> int:
+def _map_filled(fd: int, size: int, gate: Callable[[], None] | None = None) -> int:
     """Map ``size`` bytes of ``fd`` shared, every page in place (ENOMEM/ENOSPC now, not SIGBUS at the first write):
     by a few threads at once where the kernel populates ranges on request (``MADV_POPULATE_WRITE``), else by
-    ``fallocate`` and a populated mapping. The address; the calls go through ctypes, which releases the GIL."""
+    ``fallocate`` and a populated mapping. The address; the calls go through ctypes, which releases the GIL.
+    ``gate``: called before each chunk (``_FILL_CHUNK``) of each thread's share, for a slab made in the background."""
     libc = _libc()
     addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
     try:
-        if _populate(libc, addr, size):
+        if _populate(libc, addr, size, gate):
             return addr
         libc.munmap(addr, size)
         addr = None
@@ -154,16 +156,23 @@ def _map_filled(fd: int, size: int) -> int:
         raise
 
 
-def _populate(libc: _Libc, addr: int, size: int) -> bool:
-    """Put every page of the mapping in place, split among threads: False where this kernel cannot (before 5.14)."""
+def _populate(libc: _Libc, addr: int, size: int, gate: Callable[[], None] | None = None) -> bool:
+    """Put every page of the mapping in place, split among threads: False where this kernel cannot (before 5.14).
+    With ``gate``, each thread fills its share a chunk at a time, each chunk after ``gate()``: zero-filling takes the
+    host's memory bandwidth and the worker's address-space lock, which the worker's steps need too."""
     threads = max(1, min(_FILL_THREADS, os.cpu_count() or 1, size // _STEP))
     share = _round(-(-size // threads))
     ranges = [(at, min(share, size - at)) for at in range(0, size, share)]
     errors: list[int] = []
+    chunk = _FILL_CHUNK if gate is not None else size
 
     def fill(at: int, n: int) -> None:
-        if libc.madvise(addr + at, n, _MADV_POPULATE_WRITE) != 0:
-            errors.append(ctypes.get_errno())
+        for start in range(at, at + n, chunk):
+            if gate is not None:
+                gate()
+            if libc.madvise(addr + start, min(chunk, at + n - start), _MADV_POPULATE_WRITE) != 0:
+                errors.append(ctypes.get_errno())
+                return
 
     workers = [threading.Thread(target=fill, args=r, name="vllm_compat_fill", daemon=True) for r in ranges[1:]]
     for w in workers:
