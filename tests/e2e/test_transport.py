@@ -249,7 +249,7 @@ def test_a_loop_keeping_the_last_results_settles_without_making_or_closing_slabs
         held = speculators_copy(pickle.loads(out.read_bytes()), plan, "0.4.0.1")  # the previous call's go
         worker.ask(op="join_maker")
         worker.ask(op="wait_slabs", at_most=1 << 20, seconds=0)  # closing threads done
-        history.append({k: v for k, v in answer["stats"].items() if k.startswith(("slabs_", "bytes_"))})
+        history.append(slab_history(answer))
     assert history[-1] == history[3], f"slabs made or closed after the fourth call: {history}"
     assert same(held, expected_samples_of(plan, 11, 1024)) and warm_up is not None
 
@@ -266,7 +266,7 @@ def test_a_loop_keeping_the_previous_results_makes_no_slab_after_the_start(worke
     for seed in range(1, 10):
         answer, out = worker.call(plan, one_step(plan), seed=seed, hidden=1024)
         assert answer.get("ok") and answer["stats"]["made_now"] is False, answer
-        history = {k: v for k, v in answer["stats"].items() if k.startswith(("slabs_", "bytes_"))}
+        history = slab_history(answer)
         started = started or history
         held = pickle.loads(out.read_bytes())  # kept while the next call runs, as ``results = generate(...)``
         worker.ask(op="join_maker")
@@ -352,6 +352,11 @@ MIB = 1 << 20
 
 def call_bytes(plan, hidden: int) -> int:
     return sum(n for _, n in plan) * LAYERS * hidden * 2
+
+
+def slab_history(answer: dict) -> dict[str, int]:
+    """The worker's slabs made and closed so far, and their bytes, from a call's stats."""
+    return {k: v for k, v in answer["stats"].items() if k.startswith(("slabs_", "bytes_"))}
 
 
 def test_slabs_made_ahead_fit_a_container_memory_limit(tmp_path: Path) -> None:
