@@ -75,7 +75,7 @@ def test_a_slab_is_not_populated_through_pythons_mmap(monkeypatch: pytest.Monkey
         raise AssertionError("mmap.mmap used to make a slab")
 
     monkeypatch.setattr(slabs.mmap, "mmap", refuse)
-    slab = transport.Slab.make(4 * MIB, device=None, pin=False, background=True)
+    slab = transport.Slab.make(4 * MIB, device=None, pin=False, gate=lambda: None)  # made in the background
     try:
         slab.block.fill_(3)
         assert int(slab.block[::4096].sum()) == 3 * (4 * MIB // 4096)
@@ -137,7 +137,7 @@ def test_a_slab_closed_in_the_background_unregisters_with_pauses(fake_cuda, monk
     for background, pauses in ((True, 3), (False, 0)):
         slab = transport.Slab.make(8 * MIB, device=0, pin=True)
         sleeps.clear()
-        slab.close(background=background)
+        slab.close(gate=(lambda: None) if background else None)
         assert cudart.registered == {}
         assert sleeps == [slabs._PIN_PAUSE] * pauses, "a pause between each two of the four pieces, in the background"
 

@@ -40,7 +40,7 @@ _FILL_CHUNK = 16 << 20  # where a slab is made in the background, each thread fi
 # it: invalid argument), so the capture splits copies at these borders.
 PIN_PIECE = 32 << 20
 _PIN_PAUSE = 0.001
-GATE_SECONDS = 10.0  # the longest a piece of background driver work waits for the call in flight to end
+GATE_SECONDS = 10.0  # the longest a piece or chunk of background work waits for the call in flight to end
 _F_SEAL_FUTURE_WRITE = 0x0010  # Linux 5.1; Python's fcntl does not name it
 
 
@@ -65,16 +65,14 @@ class Slab:
         return self.piece > 0
 
     @classmethod
-    def make(
-        cls, size: int, device: int | None, pin: bool, background: bool = False, gate: Callable[[], None] | None = None
-    ) -> Slab:
+    def make(cls, size: int, device: int | None, pin: bool, gate: Callable[[], None] | None = None) -> Slab:
         """A slab of ``size`` bytes (whole 2 MiB) with every page in place; OSError where memory is short.
 
         Everything slow here runs with the GIL released (the kernel zero-filling the pages, by a few threads; CUDA
         registering them, in pieces), so a slab made in the background while a call runs does not hold the call up:
         Python's own ``mmap`` keeps the GIL while it populates a mapping, which stopped a worker's steps for as long
-        (0.26 s for 640 MiB on an H200 host). ``gate``: called before each piece is registered (see
-        ``Slabs.between_calls``), and before each chunk of pages is put in place."""
+        (0.26 s for 640 MiB on an H200 host). ``gate``: given for a slab made in the background, called before each
+        chunk of pages is put in place and before each piece is registered (see ``Slabs.between_calls``)."""
         size = _round(size)
         fd = os.memfd_create("vllm-compat-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -93,7 +91,7 @@ class Slab:
         import torch
 
         block = torch.frombuffer(buffer, dtype=torch.uint8)
-        piece = _pin(block, device, _PIN_PAUSE if background else 0.0, gate) if pin and device is not None else 0
+        piece = _pin(block, device, _PIN_PAUSE if gate else 0.0, gate) if pin and device is not None else 0
         return cls(fd, size, buffer, block, piece, device)
 
     def is_free(self) -> bool:
@@ -114,13 +112,13 @@ class Slab:
     def view(self, offset: int, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> Any:
         return self.block.narrow(0, offset, nbytes).view(dtype).view(shape)
 
-    def close(self, background: bool = False, gate: Callable[[], None] | None = None) -> None:
-        """Unregister and let go: the mapping goes with the last tensor viewing it. ``background``: closed while calls
-        may run (pieces unregistered with pauses between them, each after ``gate``)."""
+    def close(self, gate: Callable[[], None] | None = None) -> None:
+        """Unregister and let go: the mapping goes with the last tensor viewing it. ``gate``: given where closed while
+        calls may run (pieces unregistered with pauses between them, each after ``gate()``)."""
         if self.block is None:
             return
         if self.pinned:
-            _unpin(self.block, self.device, self.piece, _PIN_PAUSE if background else 0.0, gate)
+            _unpin(self.block, self.device, self.piece, _PIN_PAUSE if gate else 0.0, gate)
             self.piece = 0
         self.block = self.buffer = None
         with contextlib.suppress(OSError):
@@ -421,7 +419,7 @@ class Slabs:
                 ENV_PINNED_LIMIT,
             )
         started = time.perf_counter()
-        slab = Slab.make(size, self.device, pin, background, self.wait_between_calls if background else None)
+        slab = Slab.make(size, self.device, pin, self.wait_between_calls if background else None)
         if background:
             self.make_seconds = time.perf_counter() - started
         with self.lock:
@@ -430,15 +428,15 @@ class Slabs:
         return slab
 
     def wait_between_calls(self) -> None:
-        """Hold background driver work (registering or unregistering a piece) until no call is in flight: each piece
-        holds the CUDA driver's lock that the worker's steps launch their work under, and on an H200 a call beside
-        which a slab was registered lost 25 to 35 ms (70 ms for 1.25 GiB), on an H100 one beside 4 GiB unregistered
-        13 %. Between calls the GPU waits for the generator's process anyway. A call longer than ``GATE_SECONDS``
-        lets it through."""
+        """Hold background slab work (a chunk of pages filled, a piece registered or unregistered) until no call is
+        in flight: each piece holds the CUDA driver's lock that the worker's steps launch their work under, and
+        zero-filling takes the host's memory bandwidth; on an H200 a call beside which a slab was made lost 25 to
+        35 ms (70 ms for 1.25 GiB), on an H100 one beside 4 GiB unregistered 13 %. Between calls the GPU waits for
+        the generator's process anyway. A call longer than ``GATE_SECONDS`` lets it through."""
         self.between_calls.wait(GATE_SECONDS)
 
     def call_ended(self) -> None:
-        """The call in flight handed its states over, failed, or was given up: background driver work may run."""
+        """The call in flight handed its states over, failed, or was given up: background slab work may run."""
         self.between_calls.set()
 
     def history(self) -> dict[str, int]:
@@ -657,10 +655,10 @@ class Slabs:
             slab.close()
 
 
-def _close_all(slabs: list[Slab], gate: Callable[[], None] | None = None) -> None:
+def _close_all(slabs: list[Slab], gate: Callable[[], None]) -> None:
     """Close slabs from a thread of their own, while calls may run (their driver work between calls)."""
     for slab in slabs:
-        slab.close(background=True, gate=gate)
+        slab.close(gate)
 
 
 _STATS: dict[str, Any] = {}
