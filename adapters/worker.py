@@ -143,7 +143,7 @@ class PerRequestCapture(Adapter):
             if previous is not None:
                 previous.release()  # a call that never collected (it failed): its slab goes back
             ext._vllm_compat_call = None
-            capture.SLABS.call_ended()  # a call starts: none is in flight until its first step takes a slab
+            capture.SLABS.call_ended()  # whatever call came before is over
             return result
 
         def collect(wrapped: Any, ext: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -156,6 +156,7 @@ class CallCapture:
         self.block: Any = None
         self.copier: _Copier | None = None
         self.stats: dict[str, Any] = {"overlapped_seconds": 0.0}
+        SLABS.call_started()  # the plan comes before the first step: background slab work waits for the hand-over
 
     @property
     def stored(self) -> bool:
@@ -228,7 +229,7 @@ class CallCapture:
             self.copier.finish()
         if self.slab is not None:
             self.slab.busy = False
-            SLABS.call_ended()
+        SLABS.call_ended()
         self.slab = self.block = self.copier = None
 
 
