@@ -117,6 +117,11 @@ def parse(argv: list[str], description: str = "") -> argparse.Namespace:
         "error, per layer (mean and max)",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile one extra extraction call (not timed)")
+    parser.add_argument(
+        "--trace-slabs",
+        action="store_true",
+        help="extract: record the worker's slab work and both processes' stalls per call (bench/extraction/trace.py)",
+    )
     parser.add_argument("--side-timeout", type=int, default=480, help="seconds for one side's process")
     parser.add_argument(
         "--time-budget", type=int, default=None, help="seconds for the whole command; rounds are cut to fit"

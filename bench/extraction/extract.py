@@ -33,6 +33,7 @@ from .common import (
     tokens_of,
 )
 from .config import check_call, check_positions
+from .trace import StallWatch, install_slab_trace, read_slab_trace
 
 
 def handover_stats(worker=None) -> dict | None:
@@ -134,6 +135,7 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
     rpc = timing.original_rpc  # the bench's own RPCs, outside the timings
     runner = rpc(runner_info)[0]
     rpc(install_step_timer)
+    watch = StallWatch() if args.trace_slabs and rpc(install_slab_trace)[0] else None
     result = partial.result
     result |= {
         "init_seconds": time.perf_counter() - t0,
@@ -169,11 +171,16 @@ def side_extract(args: argparse.Namespace, out: Path, extra: dict, partial: Part
             "after_seconds": end - timing.marks.get("_get_captured_states", end),
             # before the first engine step: speculators builds and adds its requests, the capture's plan is sent
             "before_seconds": (timing.first_step or end) - start,
+            "rpc_seconds": {name: round(seconds, 6) for name, seconds in timing.rpc.items()},
             "phases": dict(timing.phases),
             "steps": timing.steps,
             "handover": (rpc(handover_stats) or [None])[0],
             "worker_steps": rpc(read_step_timer)[0],
         }
+        if watch is not None:  # --trace-slabs: on the one clock of the host (perf_counter)
+            entry["clock"] = {"start": start, "first_step": timing.first_step, "end": end}
+            entry["slab_trace"] = rpc(read_slab_trace)[0]
+            entry["caller_stalls"] = watch.take()
         return results, entry
 
     for i in range(args.warmup_calls):

@@ -159,3 +159,29 @@ def test_slab_work_is_per_call_from_the_cumulative_history(bench):
     }
     assert summary.slab_work(side) == {(0, 0): "2 / 1 (2.00 / 1.00)", (0, 1): "0 / 0 (0.00 / 0.00)"}
     assert summary.slab_work({"rounds": [{"calls": [{"handover": handover(1, 0)}]}]}) == {}, "no warm-up: unknown"
+
+
+def test_the_slab_trace_counts_work_by_the_window_it_ran_in():
+    """``bench/slab_trace.py`` puts each piece of the worker's slab work in the call or gap whose window it overlaps
+    (only the part inside), and counts work begun in the gap that ran on into the call as spill."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        trace = importlib.import_module("slab_trace")
+    finally:
+        sys.path.remove(str(BENCH))
+    events = [
+        ("fill", 0.5, 1.0, "t", {}),  # the gap before the call, wholly
+        ("fill", 1.9, 2.1, "t", {}),  # begun in the gap, ended 0.1 s into the call
+        ("register", 2.5, 2.6, "t", {}),
+        ("take", 2.0, 2.0, "t", {}),  # not slab work: not counted
+        ("unregister", 3.5, 4.0, "t", {}),  # after the call
+    ]
+    work = trace._work(events, 2.0, 3.0)
+    assert {kind: (n, round(s, 6)) for kind, (n, s) in work.items()} == {
+        "fill": (1, 0.1),
+        "register": (1, 0.1),
+        "spill": (1, 0.1),
+    }
+    assert {kind: (n, round(s, 6)) for kind, (n, s) in trace._work(events, 0.0, 2.0).items()} == {"fill": (2, 0.6)}
+    assert trace._stalls([(2.2, 0.004), (2.4, 0.010), (3.1, 0.5)], 2.0, 3.0) == "2/0.010/0.014"
+    assert trace._stalls([], 2.0, 3.0) == "-"
