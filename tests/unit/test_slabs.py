@@ -285,10 +285,10 @@ def test_a_loop_reuses_slabs_of_the_right_size_in_turn(h200_caller, estimate):
 
 _SMALLER_THAN_THE_ESTIMATE = pytest.mark.xfail(
     strict=True,
-    reason="open (issue 33): slabs made for an estimate more than twice the real calls are replaced in the loop's "
-    "first calls. The work waits for the gaps between calls since 2013a2c (an H100, vLLM 0.34.0, large preset, "
-    "2026-12-06: the first two calls 0.868x and 0.696x prefill's before, 0.944x at worst after), but the memory "
-    "still turns over while the loop runs",
+    reason="open (issue 33): slabs made for an estimate more than twice the real calls are replaced while the loop "
+    "runs. The work waits for the gaps between calls (an H100, vLLM 0.34.0, large preset, 2026-12-06: 0 of 16 and 0 "
+    "of 48 calls below 0.97x prefill's in two runs, 6 of 64 in a third, worst 0.80x after the longest gap), and "
+    "takes dozens of calls",
 )
 
 
