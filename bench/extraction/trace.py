@@ -62,57 +62,36 @@ def install_slab_trace(worker=None) -> bool:
     def record(kind: str, began: float, **info) -> None:
         events.append((kind, round(began, 6), round(time.perf_counter(), 6), threading.current_thread().name, info))
 
-    real_libc = slabs._libc
+    class Traced:
+        """``real``, with each call of the methods named in ``kinds`` recorded: name -> (kind, index of the argument
+        that gives its bytes, or None)."""
 
-    class TracedLibc:
-        def __init__(self, real) -> None:
-            self.real = real
+        def __init__(self, real, kinds: dict) -> None:
+            self.real, self.kinds = real, kinds
 
         def __getattr__(self, name):
-            return getattr(self.real, name)
+            method = getattr(self.real, name)
+            if name not in self.kinds:
+                return method
+            kind, size_at = self.kinds[name]
 
-        def madvise(self, address, nbytes, advice):
-            began = time.perf_counter()
-            try:
-                return self.real.madvise(address, nbytes, advice)
-            finally:
-                record("fill", began, bytes=nbytes)
+            def call(*a):
+                began = time.perf_counter()
+                try:
+                    return method(*a)
+                finally:
+                    record(kind, began, **({} if size_at is None else {"bytes": a[size_at]}))
 
-        def munmap(self, address, nbytes):
-            began = time.perf_counter()
-            try:
-                return self.real.munmap(address, nbytes)
-            finally:
-                record("munmap", began, bytes=nbytes)
+            return call
 
-    slabs._libc = lambda: TracedLibc(real_libc())
+    real_libc = slabs._libc
+    slabs._libc = lambda: Traced(real_libc(), {"madvise": ("fill", 1), "munmap": ("munmap", 1)})
 
     import torch
 
     real_cudart = torch.cuda.cudart
-
-    class TracedCudart:
-        def __init__(self, real) -> None:
-            self.real = real
-
-        def __getattr__(self, name):
-            return getattr(self.real, name)
-
-        def cudaHostRegister(self, address, nbytes, flags):
-            began = time.perf_counter()
-            try:
-                return self.real.cudaHostRegister(address, nbytes, flags)
-            finally:
-                record("register", began, bytes=nbytes)
-
-        def cudaHostUnregister(self, address):
-            began = time.perf_counter()
-            try:
-                return self.real.cudaHostUnregister(address)
-            finally:
-                record("unregister", began)
-
-    torch.cuda.cudart = lambda: TracedCudart(real_cudart())
+    cuda_kinds = {"cudaHostRegister": ("register", 1), "cudaHostUnregister": ("unregister", None)}
+    torch.cuda.cudart = lambda: Traced(real_cudart(), cuda_kinds)
 
     def timed(owner, name: str, kind: str, size=None) -> None:
         original = getattr(owner, name, None)
