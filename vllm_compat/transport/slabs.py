@@ -34,8 +34,8 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page up front: no page
 _MADV_POPULATE_WRITE = 23  # Linux 5.14: put a range's pages in place, an error (not SIGBUS) where memory is short
 _FILL_THREADS = 8  # a slab's pages are put in place by up to this many threads at once (the kernel zero-fills each)
 # Where a slab is made in the background, each thread fills its share in chunks of this size, each between calls: a
-# chunk begun just before a call goes on into its first step (2 MiB: about 9 ms for one thread, at the rate of one H200
-# host, where eight threads filled 640 MiB in 0.34 s).
+# chunk begun just before a call goes on into its first step. 2 MiB took 2 to 3 ms on an H100 host between calls,
+# and up to 0.22 s in a gap where the generator's process did memory work of its own (bench --trace-slabs).
 _FILL_CHUNK = _STEP
 # Slabs are registered with CUDA in pieces of this size, with a pause between pieces when made while a call runs:
 # the driver holds up the worker's kernel launches and copies while it registers (on an H200, 27 ms for a 640 MiB
