@@ -5,8 +5,9 @@ with ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process of the 
 
 - each chunk of pages put in place (``madvise``), each piece registered or unregistered with CUDA, each unmapping;
 - each slab made or closed (start and end), each take, and when the pool was told a call started or ended;
-- stalls: a thread that asks to sleep 1 ms and records each wake-up more than 3 ms late (the GIL, the scheduler or a
-  lock of the process kept it waiting), in the worker and in the generator's process.
+- stalls: a thread that asks to sleep 1 ms and records each wake-up more than 3 ms late (the GIL or the scheduler
+  kept it waiting), in the worker and in the generator's process. It touches no new memory, so it does not see a
+  wait for the process's address-space lock (which unmapping holds).
 
 The extract side stores the worker's events and the generator's stalls in its results, with each call's start, first
 step and end on the same clock; ``summary.py`` does not read them (they are for reading by hand, or by a script).
