@@ -16,7 +16,8 @@ import json
 import sys
 from collections import defaultdict
 
-KINDS = ("fill", "register", "unregister", "munmap", "make", "close")
+PIECES = ("fill", "register", "unregister", "munmap")  # one chunk or piece each: what spills into a call
+KINDS = (*PIECES, "make", "close")
 
 
 def _calls(result: dict) -> list[tuple[str, dict]]:
@@ -36,7 +37,7 @@ def _work(events: list, lo: float, hi: float) -> dict:
             continue
         out[kind][0] += 1
         out[kind][1] += min(ended, hi) - max(began, lo)
-        if began < lo and kind in ("fill", "register", "unregister", "munmap"):
+        if began < lo and kind in PIECES:
             out["spill"][0] += 1
             out["spill"][1] = max(out["spill"][1], min(ended, hi) - lo)
     return out

@@ -392,7 +392,7 @@ def test_a_slab_made_in_the_background_fills_its_pages_only_between_calls(monkey
         pool.close()
 
 
-def test_a_call_is_in_flight_from_its_plan_to_its_hand_over() -> None:
+def test_a_call_is_in_flight_from_the_arrival_of_its_plan() -> None:
     """The plan reaches the worker before the call's first step launches its work: background slab work (filling
     pages, registering pieces) waits from then, not from the first step's capture, which came after that step's
     launches (on an H100, the large preset's calls beside such work still lost 3-6 %). A call given up opens it."""

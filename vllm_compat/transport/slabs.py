@@ -521,7 +521,7 @@ class Slabs:
             self.takes += 1
             self.slabs.append(slab)
             slab.busy, slab.call = True, self.takes  # in use by this call until it is handed over (or given back)
-        self.between_calls.clear()  # after any wait for the maker above: its pieces needed the gate open
+        self.call_started()  # again, after any wait for the maker above: its pieces needed the gate open
         self.recent.append(size)
         self._retire_extra(keep=slab)
         self._spares_in_background(self.expected())
