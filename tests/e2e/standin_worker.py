@@ -11,6 +11,8 @@ Commands arrive as JSON lines on stdin; each answer is one line on stdout, ``@@ 
     {"op": "prepare", "size": N} -> the slabs made ahead at setup, once they are made
     {"op": "wait_slabs", "at_most": N, "seconds": S} -> polls until it holds at most N slabs (or S pass): "slabs"
     {"op": "join_maker"}   -> waits for a slab being made by the thread; {"slabs": N}
+    {"op": "wait_released", "count": N, "seconds": S} -> polls until the generator's process said it let go of N
+                              hand-overs and the pool looked at them (or S pass): {"released": N}
     {"op": "fds"}          -> {"fds": [fd, ...]}: the descriptors of its slabs (another process may try them)
     {"op": "speculators", ...same as call...} -> speculators 0.4.0.1's own reply for the same steps, pickled to PATH
 
@@ -142,6 +144,10 @@ def main() -> None:
     from vllm_compat import capture
 
     capture.HAND_OVER = hand_over_slab  # what states-through-shared-memory sets in a worker
+    from vllm_compat import transport
+
+    released: list[int] = []
+    transport.when_released(released.extend)  # after the pool's own: a serial here has been looked at by the pool
     print("@@", json.dumps({"pid": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -167,6 +173,11 @@ def main() -> None:
             if capture.SLABS.maker is not None:
                 capture.SLABS.maker.join()
             answer = {"slabs": len(capture.SLABS.slabs)}
+        elif cmd["op"] == "wait_released":  # the caller's release messages arrive on the channel's own thread
+            deadline = time.monotonic() + cmd["seconds"]
+            while len(released) < cmd["count"] and time.monotonic() < deadline:
+                time.sleep(0.005)
+            answer = {"released": len(released)}
         elif cmd["op"] == "fds":
             answer = {"fds": [s.fd for s in capture.SLABS.slabs]}
         else:
