@@ -68,14 +68,18 @@ class Slab:
         return self.piece > 0
 
     @classmethod
-    def make(cls, size: int, device: int | None, pin: bool, gate: Callable[[], None] | None = None) -> Slab:
+    def make(
+        cls, size: int, device: int | None, pin: bool, gate: Callable[[], None] | None = None, pause: bool = False
+    ) -> Slab:
         """A slab of ``size`` bytes (whole 2 MiB) with every page in place; OSError where memory is short.
 
         Everything slow here runs with the GIL released (the kernel zero-filling the pages, by a few threads; CUDA
         registering them, in pieces), so a slab made in the background while a call runs does not hold the call up:
         Python's own ``mmap`` keeps the GIL while it populates a mapping, which stopped a worker's steps for as long
         (0.26 s for 640 MiB on an H200 host). ``gate``: given for a slab made in the background, called before each
-        chunk of pages is put in place and before each piece is registered (see ``Slabs.between_calls``)."""
+        chunk of pages is put in place and before each piece is registered (see ``Slabs.between_calls``).
+        ``pause``: a pause after each piece registered (implied by ``gate``), for a slab made in the background
+        that a call may need before the next gap."""
         size = _round(size)
         fd = os.memfd_create("vllm-compat-states", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -94,7 +98,8 @@ class Slab:
         import torch
 
         block = torch.frombuffer(buffer, dtype=torch.uint8)
-        piece = _pin(block, device, _PIN_PAUSE if gate else 0.0, gate) if pin and device is not None else 0
+        pause_s = _PIN_PAUSE if gate is not None or pause else 0.0
+        piece = _pin(block, device, pause_s, gate) if pin and device is not None else 0
         return cls(fd, size, buffer, block, piece, device)
 
     def is_free(self) -> bool:
@@ -409,7 +414,9 @@ class Slabs:
             return MOST_SPARES
         return 1
 
-    def _make(self, size: int, background: bool = False) -> Slab:
+    def _make(self, size: int, background: bool = False, gated: bool = True) -> Slab:
+        """A slab of ``size`` bytes. ``background``: made by the maker thread while calls may run, its slow work
+        between calls where ``gated``, else at once (with pauses between CUDA pieces)."""
         if self.limit is None:
             self.limit = _pinned_limit()
             _raise_descriptor_limit()
@@ -424,7 +431,8 @@ class Slabs:
                 ENV_PINNED_LIMIT,
             )
         started = time.perf_counter()
-        slab = Slab.make(size, self.device, pin, self.wait_between_calls if background else None)
+        gate = self.wait_between_calls if background and gated else None
+        slab = Slab.make(size, self.device, pin, gate, pause=background)
         if background:
             self.make_seconds = time.perf_counter() - started
         with self.lock:
@@ -465,6 +473,12 @@ class Slabs:
         call runs) and the spares. Made in the loop's first calls instead, each ran 25-35 ms slower beside the making
         (an H200, vLLM 0.34.0 and 0.26.0, 0.13 s calls). Later spares follow the calls actually made.
 
+        The first ``AHEAD`` are made at once, whether a call is in flight or not: where vLLM's warm-up sent its plan
+        before they were made, a call that found none free waited for the maker, which fills only between calls
+        (on an H100, the large preset's second call waited 3.8 s for 4 GiB slabs: 0.21x prefill's speed). A call
+        beside them loses less than that. The spares wait for the gaps, and are not made at all once a call shows
+        the estimate more than ``OVERSIZE`` times too large (see ``_estimate_too_large``).
+
         All of them within ``1/MEMORY_SHARE`` of the memory available now: the estimate is the largest call the
         scheduler allows (its most sequences at the context length), 2 GiB a slab for a small model at 16k tokens,
         and three such slabs got a worker OOM-killed under a 4 GiB container limit before its first call."""
@@ -483,7 +497,14 @@ class Slabs:
         self.estimate = size
         logger.debug("states-through-shared-memory: %d slab(s) of %d bytes made ahead (available: %s)", count, size,
                      room)  # fmt: skip
-        self._make_in_background(size, count)
+        self._make_in_background(size, count, lambda: self._estimate_too_large(size), at_once=AHEAD)
+
+    def _estimate_too_large(self, size: int) -> bool:
+        """Whether calls so far show a slab of ``size`` bytes more than ``OVERSIZE`` times too large: it would only
+        stand in until spares of the right size replace it, and while the maker makes it (a chunk each gap) no spare
+        of the right size can be begun (the 8B-class preset's calls are a quarter of the scheduler's estimate)."""
+        recent = list(self.recent)
+        return bool(recent) and size > _round(OVERSIZE * max(recent))
 
     def reclaim(self, serials: list[int]) -> None:
         """The generator's process let go of the states of hand-overs ``serials``: close the slabs that are free now
@@ -586,17 +607,23 @@ class Slabs:
         self._make_in_background(size, count, lambda: self._ready(want) >= self.spares(), tidy=True)
 
     def _make_in_background(
-        self, size: int, count: int, enough: Callable[[], bool] = lambda: False, tidy: bool = False
+        self,
+        size: int,
+        count: int,
+        enough: Callable[[], bool] = lambda: False,
+        tidy: bool = False,
+        at_once: int = 0,
     ) -> None:
         """Start the maker thread: up to ``count`` slabs of ``size`` bytes, one after the other, until ``enough()``;
-        then, where ``tidy``, close the free slabs the new ones replace."""
+        then, where ``tidy``, close the free slabs the new ones replace. The first ``at_once`` are made whether a
+        call is in flight or not (and whatever ``enough()`` says), the rest only between calls."""
 
         def run() -> None:
-            for _ in range(count):
-                if enough():
+            for k in range(count):
+                if k >= at_once and enough():
                     return
                 try:
-                    slab = self._make(size, background=True)
+                    slab = self._make(size, background=True, gated=k >= at_once)
                 except OSError as exc:
                     logger.debug("states-through-shared-memory: no slab made ahead (%s)", exc)
                     return
