@@ -404,22 +404,28 @@ def test_a_call_is_in_flight_from_the_arrival_of_its_plan() -> None:
     assert capture.SLABS.between_calls.is_set(), "a call given up before its first step leaves none in flight"
 
 
-def test_a_call_waiting_for_the_maker_takes_the_first_slab_that_fits(monkeypatch) -> None:
-    """At start the maker makes the call's slab, the previous results' and the spares, one after the other. A call
-    that found none free waited for the maker's whole run: on an H100 (the large preset, 4 GiB slabs made for the
-    scheduler's estimate) a call waited 3.8 s for three slabs where it needed one, and ran at 0.21x prefill's speed.
-    It takes the first that fits, while the maker goes on."""
+def _hold_slabs_after_the_first(monkeypatch) -> tuple[threading.Event, list[int]]:
+    """Every slab made after the first waits until the returned event is set; the list records each size asked."""
     hold = threading.Event()
     real_make = slabs.Slab.make
     made: list[int] = []
 
     def make(size, device, pin, gate=None, pause=False):
         if made:
-            hold.wait(10)  # every slab after the first: not before the test says so
+            hold.wait(10)
         made.append(size)
         return real_make(size, device, pin, gate, pause)
 
     monkeypatch.setattr(slabs.Slab, "make", staticmethod(make))
+    return hold, made
+
+
+def test_a_call_waiting_for_the_maker_takes_the_first_slab_that_fits(monkeypatch) -> None:
+    """At start the maker makes the call's slab, the previous results' and the spares, one after the other. A call
+    that found none free waited for the maker's whole run: on an H100 (the large preset, 4 GiB slabs made for the
+    scheduler's estimate) a call waited 3.8 s for three slabs where it needed one, and ran at 0.21x prefill's speed.
+    It takes the first that fits, while the maker goes on."""
+    hold, made = _hold_slabs_after_the_first(monkeypatch)
     pool = slabs.Slabs()
     try:
         pool.prepare(4 * MIB, None)
@@ -467,17 +473,7 @@ def test_the_start_stops_making_spares_once_a_call_shows_its_estimate_too_large(
     it (a chunk each gap, 4 GiB on an H100) none of the right size can be begun. Once a call shows the estimate more
     than ``OVERSIZE`` times too large, the start makes no more spares."""
     monkeypatch.setattr(slabs.Slabs, "spares", lambda self: 2)
-    hold = threading.Event()
-    real_make = slabs.Slab.make
-    made: list[int] = []
-
-    def make(size, device, pin, gate=None, pause=False):
-        if made:
-            hold.wait(10)  # every slab after the first: once the first call has been taken
-        made.append(size)
-        return real_make(size, device, pin, gate, pause)
-
-    monkeypatch.setattr(slabs.Slab, "make", staticmethod(make))
+    hold, made = _hold_slabs_after_the_first(monkeypatch)
     pool = slabs.Slabs()
     try:
         pool.prepare(16 * MIB, None)
