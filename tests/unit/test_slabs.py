@@ -463,8 +463,7 @@ def test_the_slabs_the_first_two_calls_need_are_made_while_a_call_is_in_flight(m
         pool.maker.join(timeout=5)
         assert pool.adds == slabs.AHEAD + 2 and all(s.size == 8 * MIB for s in pool.slabs)
     finally:
-        pool.call_ended()
-        pool.close()
+        pool.close()  # opens the gate first
 
 
 def test_the_start_stops_making_spares_once_a_call_shows_its_estimate_too_large(monkeypatch) -> None:
