@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -53,15 +54,18 @@ def hand_over_slab(call: capture.CallCapture) -> Any:
 
 
 class ReturnedStatesKeepTheirShape(Adapter):
-    """Leave a returned state readable when ``resize_`` to a larger size fails on it.
+    """Leave a returned state readable when ``resize_`` or ``resize_as_`` to a larger size fails on it.
 
     What broke (torch, every version, for any tensor over memory torch did not allocate: ``torch.from_numpy``,
     ``torch.load(mmap=True)``, shared-memory tensors): ``resize_`` sets the new shape before it finds that the
     storage cannot grow, and raises with the new shape left in place; the next read runs past the memory (SIGSEGV).
-    The states speculators returns under vllm-compat map their slab privately, so their storage cannot grow.
-    Where fixed: ``torch.Tensor.resize_``, in the generator's process: when the call raises, the tensor's shape,
-    strides and offset are put back as they were, and the error says what to do (``clone()`` first, or
-    ``VLLM_COMPAT_STATES=copy`` for states in ordinary, growable memory). A call that succeeds is passed through.
+    ``resize_as_`` (the method and ``torch.resize_as_``) resizes the same way. The states speculators returns under
+    vllm-compat map their slab privately, so their storage cannot grow.
+    Where fixed: ``torch.Tensor.resize_``, ``torch.Tensor.resize_as_`` and ``torch.resize_as_``, in the generator's
+    process: when the call raises, the tensor's shape, strides and offset are put back as they were, and the error
+    says what to do (``clone()`` first, or ``VLLM_COMPAT_STATES=copy`` for states in ordinary, growable memory). A
+    call that succeeds is passed through. Not covered: an op's ``out=`` (torch resizes it inside the op's kernel,
+    where no Python wrapper sees it; docs/limits.md).
     """
 
     id = "returned-states-keep-their-shape"
@@ -71,19 +75,32 @@ class ReturnedStatesKeepTheirShape(Adapter):
     def apply(self, module: ModuleType | None) -> None:
         import torch
 
-        def resize_(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            shape, stride, offset = instance.shape, instance.stride(), instance.storage_offset()
-            try:
-                return wrapped(*args, **kwargs)
-            except RuntimeError as exc:
-                if instance.shape != shape:
-                    with torch.no_grad():
-                        instance.set_(instance.untyped_storage(), offset, shape, stride)
-                    if hasattr(exc, "add_note"):
-                        exc.add_note(
-                            "vllm-compat: the tensor keeps its shape. Its memory cannot grow (it maps the states "
-                            "vLLM handed over); resize a clone() of it, or set VLLM_COMPAT_STATES=copy."
-                        )
-                raise
+        self.wrap(torch.Tensor, "resize_", _keeping_shape(lambda instance, args: instance))
+        self.wrap(torch.Tensor, "resize_as_", _keeping_shape(lambda instance, args: instance))
+        self.wrap(torch, "resize_as_", _keeping_shape(lambda instance, args: args[0] if args else None))
 
-        self.wrap(torch.Tensor, "resize_", resize_)
+
+def _keeping_shape(resized: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[..., Any]:
+    """A wrapper for a resizing call that puts back the shape of the tensor it resizes (``resized(instance, args)``)
+    when the call raises with a new shape left on it."""
+    import torch
+
+    def keep(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tensor = resized(instance, args)
+        if not isinstance(tensor, torch.Tensor):
+            return wrapped(*args, **kwargs)
+        shape, stride, offset = tensor.shape, tensor.stride(), tensor.storage_offset()
+        try:
+            return wrapped(*args, **kwargs)
+        except RuntimeError as exc:
+            if tensor.shape != shape:
+                with torch.no_grad():
+                    tensor.set_(tensor.untyped_storage(), offset, shape, stride)
+                if hasattr(exc, "add_note"):
+                    exc.add_note(
+                        "vllm-compat: the tensor keeps its shape. Its memory cannot grow (it maps the states "
+                        "vLLM handed over); resize a clone() of it, or set VLLM_COMPAT_STATES=copy."
+                    )
+            raise
+
+    return keep
