@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -75,32 +74,29 @@ class ReturnedStatesKeepTheirShape(Adapter):
     def apply(self, module: ModuleType | None) -> None:
         import torch
 
-        self.wrap(torch.Tensor, "resize_", _keeping_shape(lambda instance, args: instance))
-        self.wrap(torch.Tensor, "resize_as_", _keeping_shape(lambda instance, args: instance))
-        self.wrap(torch, "resize_as_", _keeping_shape(lambda instance, args: args[0] if args else None))
+        self.wrap(torch.Tensor, "resize_", _keep_shape)
+        self.wrap(torch.Tensor, "resize_as_", _keep_shape)
+        self.wrap(torch, "resize_as_", _keep_shape)
 
 
-def _keeping_shape(resized: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[..., Any]:
-    """A wrapper for a resizing call that puts back the shape of the tensor it resizes (``resized(instance, args)``)
-    when the call raises with a new shape left on it."""
+def _keep_shape(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a resizing call; where it raises with a new shape left on the tensor it resizes (the method's tensor, or
+    ``torch.resize_as_``'s first argument), put the shape, strides and offset back as they were."""
     import torch
 
-    def keep(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        tensor = resized(instance, args)
-        if not isinstance(tensor, torch.Tensor):
-            return wrapped(*args, **kwargs)
-        shape, stride, offset = tensor.shape, tensor.stride(), tensor.storage_offset()
-        try:
-            return wrapped(*args, **kwargs)
-        except RuntimeError as exc:
-            if tensor.shape != shape:
-                with torch.no_grad():
-                    tensor.set_(tensor.untyped_storage(), offset, shape, stride)
-                if hasattr(exc, "add_note"):
-                    exc.add_note(
-                        "vllm-compat: the tensor keeps its shape. Its memory cannot grow (it maps the states "
-                        "vLLM handed over); resize a clone() of it, or set VLLM_COMPAT_STATES=copy."
-                    )
-            raise
-
-    return keep
+    tensor = instance if instance is not None else (args[0] if args else None)
+    if not isinstance(tensor, torch.Tensor):
+        return wrapped(*args, **kwargs)
+    shape, stride, offset = tensor.shape, tensor.stride(), tensor.storage_offset()
+    try:
+        return wrapped(*args, **kwargs)
+    except RuntimeError as exc:
+        if tensor.shape != shape:
+            with torch.no_grad():
+                tensor.set_(tensor.untyped_storage(), offset, shape, stride)
+            if hasattr(exc, "add_note"):
+                exc.add_note(
+                    "vllm-compat: the tensor keeps its shape. Its memory cannot grow (it maps the states "
+                    "vLLM handed over); resize a clone() of it, or set VLLM_COMPAT_STATES=copy."
+                )
+        raise
